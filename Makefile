@@ -1,0 +1,30 @@
+# ringmoe: `make demo` runs the main job, `make test` runs the test suite.
+# Both create .venv and install everything on first use (a fresh machine needs only Python, pip, gcc).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench install clean
+
+$(STAMP): pyproject.toml requirements/dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/ringmoe demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_attention.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,116 @@
+"""Block kernels behind one interface, the backend choice, and the autograd glue.
+
+A block kernel computes exact attention of a query block against a key/value
+block and returns the partial result as (out, lse); its backward takes the
+*final* (out, lse) of the whole attention, so ring attention can call it per
+block and merge with ``merge_attention``.  All tensors use flash-attn's layout:
+q (B, Sq, H, D), k/v (B, Sk, Hkv, D), lse (B, H, Sq).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .blockwise import blockwise_backward, blockwise_forward, compute_dtype
+from .mask import AttentionSpec
+from .native import native_backward, native_forward, native_unsupported
+from .reference import attention_reference
+
+__all__ = ["BlockKernel", "BACKENDS", "resolve_kernel", "AttentionFunction", "attention_with_kernel"]
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionSpec], tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """name, forward(q, k, v, spec) -> (out, lse), backward(dout, q, k, v, out, lse, spec, dlse) -> grads,
+    unsupported(q, k, spec) -> reason string or None."""
+
+    name: str
+    forward: Forward
+    backward: Backward
+    unsupported: Callable[[torch.Tensor, torch.Tensor, AttentionSpec], str | None]
+
+
+def _always(q, k, spec):
+    return None
+
+
+def _reference_forward(q, k, v, spec):
+    return attention_reference(q, k, v, spec, compute_dtype(q.dtype))
+
+
+def _reference_backward(dout, q, k, v, out, lse, spec, dlse=None):
+    """Naive backward: autograd through the materialised reference (recomputed)."""
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o, l = attention_reference(*leaves, spec, compute_dtype(q.dtype))
+        outputs, grads = [o], [dout.to(o.dtype)]
+        if dlse is not None:
+            outputs.append(l)
+            grads.append(torch.where(torch.isinf(l), torch.zeros_like(l), dlse.to(l.dtype)))
+        return torch.autograd.grad(outputs, leaves, grads)
+
+
+BACKENDS: dict[str, BlockKernel] = {
+    "blockwise": BlockKernel("blockwise", blockwise_forward, blockwise_backward, _always),
+    "native": BlockKernel("native", native_forward, native_backward, native_unsupported),
+    "reference": BlockKernel("reference", _reference_forward, _reference_backward, _always),
+}
+
+
+def resolve_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> BlockKernel:
+    """The kernel for ``backend``; "auto" takes the fastest that supports the request.
+
+    auto: on CUDA the Triton kernel, on CPU torch's native kernel, else (or if
+    they do not support the options) the blockwise kernel, which supports all.
+    Raises ValueError naming the backend if an explicit choice cannot run.
+    """
+    if backend == "auto":
+        preferred = [name for name in ("triton", "native") if name in BACKENDS]
+        for name in preferred:
+            if BACKENDS[name].unsupported(q, k, spec) is None:
+                return BACKENDS[name]
+        return BACKENDS["blockwise"]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+    kernel = BACKENDS[backend]
+    reason = kernel.unsupported(q, k, spec)
+    if reason is not None:
+        raise ValueError(reason)
+    return kernel
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd for any block kernel: saves q, k, v, out, lse (O(N)), recomputes tiles in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel: BlockKernel, spec: AttentionSpec):
+        out, lse = kernel.forward(q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.spec = kernel, spec
+        ctx.set_materialize_grads(False)
+        result = out.to(q.dtype)
+        if not result.is_contiguous():
+            result = result.contiguous()
+        return result, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.spec, dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def attention_with_kernel(q, k, v, kernel: BlockKernel, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse) through ``kernel`` with autograd when any input requires grad."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return AttentionFunction.apply(q, k, v, kernel, spec)
+    out, lse = kernel.forward(q, k, v, spec)
+    return out.to(q.dtype).contiguous(), lse
