@@ -1,0 +1,6 @@
+"""Sequence (context) parallelism: shard layouts, ring attention, and rank launching."""
+
+from .layout import LAYOUTS, positions, shard, unshard
+from .ring import RingStats, ring_flash_attn_func
+
+__all__ = ["LAYOUTS", "positions", "shard", "unshard", "ring_flash_attn_func", "RingStats"]
