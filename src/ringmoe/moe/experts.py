@@ -1,0 +1,60 @@
+"""SwiGLU experts held as stacked weights, computed per expert group, plus shared experts.
+
+Weights follow transformers' fused layout (v5): ``gate_up`` (E, 2F, H) with
+the gate projection in rows [0, F) and the up projection in [F, 2F), and
+``down`` (E, H, F).  An expert computes down(silu(gate x) * up x).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["SwiGLUExperts", "SharedExpert"]
+
+
+class SwiGLUExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.ffn_size = num_experts, hidden_size, ffn_size
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
+        nn.init.normal_(self.gate_up, std=hidden_size**-0.5)
+        nn.init.normal_(self.down, std=ffn_size**-0.5)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on rows x (n, H) -> (n, H)."""
+        gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[e])
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (N, H) sorted by expert with ``counts[e]`` rows for expert e: one matmul pair per expert."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.expert(e, x[start : start + n]))
+            start += n
+        return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x (E, C, H) -> (E, C, H): one batched matmul per projection for all experts."""
+        gate, up = torch.bmm(x, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))
+
+
+class SharedExpert(nn.Module):
+    """An always-on SwiGLU MLP; ``gated`` adds Qwen2-MoE's sigmoid(Linear(H, 1)) gate on its output."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, gated: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
+        self.gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(x)) * y
+        return y

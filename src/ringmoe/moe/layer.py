@@ -1,0 +1,129 @@
+"""MoELayer: route, dispatch, run experts, combine; statistics of every call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .dispatch import capacity_for, permute, plan_dispatch, unpermute
+from .experts import SharedExpert, SwiGLUExperts
+from .router import Router, load_balancing_loss, router_z_loss
+
+__all__ = ["MoELayer", "MoEStats"]
+
+
+@dataclass
+class MoEStats:
+    """What the last forward did.
+
+    tokens_per_expert: (E,) int64 assignments kept per expert; routed_per_expert: before capacity.
+    dropped_assignments / dropped_tokens: lost to capacity (a dropped token keeps only its residual).
+    aux_loss, z_loss: scalar tensors with gradients.  imbalance: max / mean routed load.
+    """
+
+    tokens_per_expert: torch.Tensor
+    routed_per_expert: torch.Tensor
+    dropped_assignments: int
+    dropped_tokens: int
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    imbalance: float
+
+
+class MoELayer(nn.Module):
+    """A sparse mixture-of-experts SwiGLU block.
+
+    x (..., hidden_size) -> y (..., hidden_size), same dtype.
+    router: "softmax_topk" | "sigmoid_bias"; capacity_factor None = dropless.
+    shared_ffn_size > 0 adds a shared expert (gated as in Qwen2-MoE if shared_gated).
+    group: expert-parallel process group (None or size 1 = all experts local).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        num_experts: int,
+        top_k: int,
+        router: str = "softmax_topk",
+        normalize_topk: bool = True,
+        capacity_factor: float | None = None,
+        group=None,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_ffn_size: int = 0,
+        shared_gated: bool = False,
+    ):
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.get_world_size(group) > 1:
+                raise NotImplementedError("expert parallelism over a group of more than one rank is not built yet")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.capacity_factor = capacity_factor
+        self.router = Router(hidden_size, num_experts, top_k, router, normalize_topk, n_group, topk_group,
+                             routed_scaling_factor)
+        self.experts = SwiGLUExperts(num_experts, hidden_size, ffn_size)
+        self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
+        self.last_stats: MoEStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be (..., hidden_size={self.hidden_size}), got {shape}")
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        flat = x.reshape(-1, self.hidden_size)
+        tokens = flat.shape[0]
+        routing = self.router(flat)
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = capacity_for(self.capacity_factor, tokens, self.top_k, self.num_experts)
+        plan = plan_dispatch(routing.topk_idx, routing.topk_weight, self.num_experts, capacity)
+        expert_in = permute(flat, plan, self.num_experts)
+        if capacity is None:
+            expert_out = self.experts.grouped(expert_in, plan.counts.tolist())
+        else:
+            expert_out = self.experts.padded(expert_in)
+        y = unpermute(expert_out, plan, routing.topk_weight, tokens)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        self.last_stats = self._stats(routing, plan)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def __getstate__(self):
+        # last_stats holds graph tensors (aux_loss): not part of the module's state (copy, pickle)
+        state = super().__getstate__()
+        state["last_stats"] = None
+        return state
+
+    def _stats(self, routing, plan) -> MoEStats:
+        routed = plan.routed
+        mean = routed.float().mean()
+        return MoEStats(
+            tokens_per_expert=plan.counts,
+            routed_per_expert=routed,
+            dropped_assignments=plan.dropped_assignments,
+            dropped_tokens=plan.dropped_tokens,
+            aux_loss=load_balancing_loss(routing.probs, routing.topk_idx, self.num_experts),
+            z_loss=router_z_loss(routing.logits),
+            imbalance=float(routed.max() / mean) if mean > 0 else 1.0,
+        )
+
+    # -- transformers interop -------------------------------------------------------
+    @classmethod
+    def from_hf(cls, block: nn.Module, capacity_factor: float | None = None) -> "MoELayer":
+        """A layer with the weights and routing of transformers' MixtralSparseMoeBlock,
+        Qwen3MoeSparseMoeBlock or DeepseekV3MoE (fused v5 experts or v4 per-expert modules)."""
+        from .hf import layer_from_hf
+
+        return layer_from_hf(cls, block, capacity_factor)
