@@ -308,7 +308,9 @@ def _backward_all(dout, q, k, v, out, lse, spec, dlse, block_q, block_k, dq, dk,
     for j0 in range(0, seqlen_k, block_k):
         j1 = min(seqlen_k, j0 + block_k)
         k_tile, v_tile = k_aug[:, j0:j1], v_aug[:, j0:j1]
-        dk_tile, dv_tile = dk[:, j0:j1], dv[:, j0:j1]
+        # contiguous accumulators: BLAS writes into them directly, then one copy into dk, dv
+        dk_tile = torch.zeros(n, j1 - j0, head_dim, dtype=dtype, device=q.device)
+        dv_tile = torch.zeros_like(dk_tile)
         for block, grad_block, row_lse, dq_block in blocks:
             kind = spec.tile_kind(block.i0, block.i1, j0, j1, seqlen_q, seqlen_k)
             if kind == "empty":
@@ -335,6 +337,8 @@ def _backward_all(dout, q, k, v, out, lse, spec, dlse, block_q, block_k, dq, dk,
                 ds.mul_(tanh.mul_(tanh).neg_().add_(1.0))  # d(cap*tanh(x/cap))/dx = 1 - tanh^2
             dq_block.baddbmm_(ds, k_tile[..., :-1])
             dk_tile.baddbmm_(ds.transpose(-1, -2), block.body())
+        dk[:, j0:j1] = dk_tile
+        dv[:, j0:j1] = dv_tile
 
     for block, _, _, dq_block in blocks:
         dq[:, :, :, block.i0 : block.i1] = dq_block.view(batch, kv_heads, group, block.rows, head_dim)
