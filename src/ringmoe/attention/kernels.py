@@ -56,9 +56,30 @@ def _reference_backward(dout, q, k, v, out, lse, spec, dlse=None):
         return torch.autograd.grad(outputs, leaves, grads)
 
 
+def _triton_unsupported(q, k, spec):
+    try:
+        from . import triton_flash
+    except ImportError as exc:  # Triton is optional
+        return f"backend='triton' needs Triton installed ({exc})"
+    return triton_flash.triton_unsupported(q, k, spec)
+
+
+def _triton_forward(q, k, v, spec):
+    from .triton_flash import triton_forward
+
+    return triton_forward(q, k, v, spec)
+
+
+def _triton_backward(dout, q, k, v, out, lse, spec, dlse=None):
+    from .triton_flash import triton_backward
+
+    return triton_backward(dout, q, k, v, out, lse, spec, dlse)
+
+
 BACKENDS: dict[str, BlockKernel] = {
     "blockwise": BlockKernel("blockwise", blockwise_forward, blockwise_backward, _always),
     "native": BlockKernel("native", native_forward, native_backward, native_unsupported),
+    "triton": BlockKernel("triton", _triton_forward, _triton_backward, _triton_unsupported),
     "reference": BlockKernel("reference", _reference_forward, _reference_backward, _always),
 }
 
@@ -66,12 +87,13 @@ BACKENDS: dict[str, BlockKernel] = {
 def resolve_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> BlockKernel:
     """The kernel for ``backend``; "auto" takes the fastest that supports the request.
 
-    auto: on CUDA the Triton kernel, on CPU torch's native kernel, else (or if
+    auto: on CUDA the Triton kernel, on CPU torch's native kernel (never Triton's
+    interpreter, which is for tests), else (or if
     they do not support the options) the blockwise kernel, which supports all.
     Raises ValueError naming the backend if an explicit choice cannot run.
     """
     if backend == "auto":
-        preferred = [name for name in ("triton", "native") if name in BACKENDS]
+        preferred = ["triton"] if q.device.type == "cuda" else ["native"]
         for name in preferred:
             if BACKENDS[name].unsupported(q, k, spec) is None:
                 return BACKENDS[name]

@@ -1,0 +1,12 @@
+"""Test-session setup.
+
+Triton kernels run on the CPU through Triton's interpreter, which Triton
+switches on with TRITON_INTERPRET=1 when its kernels are defined: set it
+before anything imports them.  The library never picks Triton on CPU tensors
+by itself ("auto" uses Triton only for CUDA tensors), so this affects only
+tests that ask for backend="triton".
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
