@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One script for a lent GPU machine (H100/H200 class): correctness at full sizes, then
+# Triton FlashAttention vs torch SDPA (and flash-attn if it imports) in bf16.
+# Usage: bash benchmarks/gpu.sh [quick]   -> results in ${OUT:-benchmarks/results}/gpu_attention.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 benchmarks/bench_gpu.py --out "${OUT:-benchmarks/results}" ${1:+--quick}
