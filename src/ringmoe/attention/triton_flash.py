@@ -303,16 +303,37 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
              mask=q_mask)
 
 
-def _blocks(head_dim: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages): small fixed tiles under the interpreter."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+_TUNING = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried on a real GPU
+    (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 2, 2),
+]
+_KEY = ["seqlen_q", "seqlen_k", "HEAD_DIM", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "IEEE"]
+
+
+def _autotuned(kernel):
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in _TUNING]
+    return triton.autotune(configs=configs, key=_KEY)(kernel)
+
+
+_TUNED = {}
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """Fixed small tiles under the interpreter; autotuned tiles on a GPU.
+
+    grid(meta) -> launch grid, where meta holds BLOCK_M and BLOCK_N.
+    """
     if interpreting():
-        return 16, 16, block_d, 1, 1
-    if block_d <= 64:
-        return 128, 64, block_d, 4, 3
-    if block_d <= 128:
-        return 128, 32, block_d, 8, 2
-    return 64, 32, block_d, 8, 1
+        meta = {"BLOCK_M": 16, "BLOCK_N": 16}
+        kernel[grid(meta)](*args, **meta, num_warps=1, num_stages=1, **kwargs)
+        return
+    if kernel not in _TUNED:
+        _TUNED[kernel] = _autotuned(kernel)
+    _TUNED[kernel][grid](*args, **kwargs)
+
+
+def _block_d(head_dim: int) -> int:
+    """head_dim padded to a power of two (at least 16, the smallest tl.dot size)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _mask_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> dict:
@@ -338,14 +359,12 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atte
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if seqlen_q == 0:
         return out, lse
-    block_m, block_n, block_d, warps, stages = _blocks(head_dim)
-    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
-    _fwd_kernel[grid](
+    _launch(
+        _fwd_kernel, lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads),
         q, k, v, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], lse.stride(0), lse.stride(1),
         seqlen_q, seqlen_k, heads, heads // kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), IEEE=q.dtype == torch.float32,
         **_mask_args(spec, seqlen_q, seqlen_k),
     )
     return out, lse
@@ -363,27 +382,28 @@ def triton_backward(dout, q, k, v, out, lse, spec: AttentionSpec, dlse=None):
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     if seqlen_q == 0 or seqlen_k == 0:
         return dq, dk, dv
-    block_m, block_n, block_d, warps, stages = _blocks(head_dim)
+    block_d = _block_d(head_dim)
     # (B, S, H) row order for the preprocess, then (B, H, S) like lse
     rows = batch * seqlen_q * heads
     delta_rows = torch.empty(rows, dtype=torch.float32, device=q.device)
     dlse_rows = dlse.to(torch.float32).transpose(1, 2).contiguous().view(-1) if dlse is not None else delta_rows
-    _bwd_preprocess[(triton.cdiv(rows, block_m),)](
+    _bwd_preprocess[(triton.cdiv(rows, 16),)](
         out, dout, dlse_rows, delta_rows, head_dim, head_dim, rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, HAS_DLSE=dlse is not None,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=16, HAS_DLSE=dlse is not None,
     )
     delta = delta_rows.view(batch, seqlen_q, heads).transpose(1, 2).contiguous()
     # a row that saw no key has lse -inf; +inf makes its probabilities exactly 0
     lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).to(torch.float32).contiguous()
     mask = _mask_args(spec, seqlen_q, seqlen_k)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                  IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages, **mask)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, **mask)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1))
-    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * kv_heads)](
+    _launch(
+        _bwd_dkdv_kernel, lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3],
         seqlen_q, seqlen_k, kv_heads, heads // kv_heads, **common,
     )
-    _bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+    _launch(
+        _bwd_dq_kernel, lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads),
         q, k, v, dout, lse, delta, dq, *strides, *dq.stride()[:3],
         seqlen_q, seqlen_k, heads, heads // kv_heads, **common,
     )
