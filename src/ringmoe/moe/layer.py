@@ -7,7 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+import torch.distributed as dist
+
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
+from .expert_parallel import expert_parallel_forward
 from .experts import SharedExpert, SwiGLUExperts
 from .router import Router, load_balancing_loss, router_z_loss
 
@@ -21,6 +24,11 @@ class MoEStats:
     tokens_per_expert: (E,) int64 assignments kept per expert; routed_per_expert: before capacity.
     dropped_assignments / dropped_tokens: lost to capacity (a dropped token keeps only its residual).
     aux_loss, z_loss: scalar tensors with gradients.  imbalance: max / mean routed load.
+    Expert parallelism adds (else None): tokens_per_rank (P,) assignment rows each rank
+    received (before capacity), rank_imbalance (max / mean of those), and seconds spent in
+    route / dispatch / experts / combine on this rank; ``combine_s`` includes the
+    wait for the slowest rank (the straggler).  Under expert parallelism the per-expert
+    counts are global (summed over ranks) and dropped_* count this rank's tokens.
     """
 
     tokens_per_expert: torch.Tensor
@@ -30,6 +38,9 @@ class MoEStats:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     imbalance: float
+    tokens_per_rank: torch.Tensor | None = None
+    rank_imbalance: float | None = None
+    timings: dict | None = None
 
 
 class MoELayer(nn.Module):
@@ -63,16 +74,21 @@ class MoELayer(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+        self.group = group
+        self.ep_size, self.ep_rank = 1, 0
         if group is not None:
-            import torch.distributed as dist
-
-            if dist.get_world_size(group) > 1:
-                raise NotImplementedError("expert parallelism over a group of more than one rank is not built yet")
+            self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
+            if num_experts % self.ep_size:
+                raise ValueError(
+                    f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({self.ep_size})"
+                )
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.local_experts = num_experts // self.ep_size
+        self.expert_offset = self.ep_rank * self.local_experts
         self.capacity_factor = capacity_factor
         self.router = Router(hidden_size, num_experts, top_k, router, normalize_topk, n_group, topk_group,
                              routed_scaling_factor)
-        self.experts = SwiGLUExperts(num_experts, hidden_size, ffn_size)
+        self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size)
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
 
@@ -85,6 +101,11 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, self.hidden_size)
         tokens = flat.shape[0]
         routing = self.router(flat)
+        if self.ep_size > 1:
+            y = expert_parallel_forward(self, flat, routing)
+            if self.shared is not None:
+                y = y + self.shared(flat)
+            return y.to(x.dtype).reshape(x.shape)
         capacity = None
         if self.capacity_factor is not None:
             capacity = capacity_for(self.capacity_factor, tokens, self.top_k, self.num_experts)
