@@ -2,21 +2,23 @@
 
 One forward on every rank:
 
-1. route its own tokens (the router is replicated);
-2. sort its (token, expert) assignments by expert, which also groups them by
-   the rank that owns the expert, and exchange per-expert counts (a small
-   all-to-all of P x E_local integers);
-3. dispatch: ``all_to_all`` the assignment rows to the experts' owners (a token
-   that chose two experts on two ranks is sent to both; bytes are exactly the
-   routed rows);
-4. regroup what arrived by local expert, apply the capacity (if any) over all
-   ranks' assignments at once (so the result equals a single rank holding every
-   expert and every token), run each local expert on its rows;
-5. combine: the reverse ``all_to_all`` brings the outputs home, where they are
+1. route its own tokens (the router is replicated) and sort its (token, expert)
+   assignments by expert, which also groups them by the rank owning the expert;
+2. capacity mode only: send each assignment's router weight to the expert's
+   owner, which keeps its ``capacity`` heaviest assignments over *all* ranks
+   (so the result equals one rank holding every expert and token) and answers
+   with keep flags; dropped assignments never travel;
+3. dispatch: exchange per-expert counts (a P x E_local all-to-all), then
+   ``all_to_all`` the kept rows to the experts' owners (a token that chose two
+   experts on two ranks is sent to both);
+4. each owner regroups what arrived by local expert and runs its experts;
+5. combine: the reverse ``all_to_all`` brings outputs home, where they are
    weighted by the router and summed per token.
 
-Both exchanges are differentiable, so gradients reach the remote experts and
-come back to the tokens.
+``overlap_chunks = n`` splits the local tokens into n micro-batches and
+pipelines them: chunk i+1's dispatch is in flight while chunk i's experts run,
+and chunk i's combine is in flight while chunk i+1 computes.  Both exchanges
+are differentiable; the backward runs them synchronously per chunk.
 """
 
 from __future__ import annotations
@@ -26,90 +28,148 @@ import time
 import torch
 import torch.distributed as dist
 
-from .dispatch import capacity_for, plan_dispatch, unpermute
+from .dispatch import capacity_for, plan_dispatch
 from .exchange import all_to_all, exchange_counts
 from .router import load_balancing_loss, router_z_loss
 
 __all__ = ["expert_parallel_forward"]
 
 
+class _AsyncAllToAll(torch.autograd.Function):
+    """Starts the exchange and returns at once; call ``handle.wait()`` before reading the result."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, handle):
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        handle.append(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
+                                             async_op=True))
+        handle.append(x)  # keep the send buffer alive until the exchange completes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        return back, None, None, None, None
+
+
+class _Pending:
+    """An exchange in flight: ``result()`` waits for it and returns the received rows."""
+
+    def __init__(self, x, send_splits, recv_splits, group):
+        self._handle: list = []
+        self._out = _AsyncAllToAll.apply(x, send_splits, recv_splits, group, self._handle)
+
+    def result(self) -> torch.Tensor:
+        self._handle[0].wait()
+        return self._out
+
+
+def _capacity_keep(layer, plan, routing, tokens) -> torch.Tensor:
+    """Bool (N,) over ``plan.order``: which assignments the experts' owners keep."""
+    if layer.capacity_factor is None:
+        return torch.ones(plan.order.numel(), dtype=torch.bool)
+    group, world, local = layer.group, layer.ep_size, layer.local_experts
+    total_tokens = torch.tensor([tokens], dtype=torch.int64)
+    dist.all_reduce(total_tokens, group=group)
+    capacity = capacity_for(layer.capacity_factor, int(total_tokens), layer.top_k, layer.num_experts)
+    send_counts = plan.routed.view(world, local)
+    recv_counts = exchange_counts(send_counts, group)
+    send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    weights = routing.topk_weight.detach().reshape(-1).index_select(0, plan.order).float()
+    received = torch.empty(sum(recv_splits), dtype=torch.float32)
+    dist.all_to_all_single(received, weights.contiguous(), recv_splits, send_splits, group=group)
+    local_expert = torch.repeat_interleave(torch.arange(local).repeat(world), recv_counts.reshape(-1))
+    owner_plan = plan_dispatch(local_expert.view(-1, 1), received.view(-1, 1), local, capacity)
+    flags = torch.zeros(received.numel(), dtype=torch.float32)
+    flags[owner_plan.order] = 1.0
+    home = torch.empty(plan.order.numel(), dtype=torch.float32)
+    dist.all_to_all_single(home, flags, send_splits, recv_splits, group=group)
+    return home > 0
+
+
+def _chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    step = -(-tokens // chunks) if tokens else 0
+    return [(min(tokens, i * step), min(tokens, (i + 1) * step)) for i in range(chunks)]
+
+
 def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
-    """flat (T, H) this rank's tokens -> (T, H) float32 (float64 stays) expert output, weighted and summed."""
+    """flat (T, H) this rank's tokens -> (T, H) float32 (float64 stays): the weighted expert outputs."""
     group, world, local = layer.group, layer.ep_size, layer.local_experts
     tokens = flat.shape[0]
-    clock = {"start": time.perf_counter()}
+    timings = {"route_s": 0.0, "dispatch_s": 0.0, "experts_s": 0.0, "combine_s": 0.0}
+    start = time.perf_counter()
     plan = plan_dispatch(routing.topk_idx, routing.topk_weight, layer.num_experts, None)
-    send_counts = plan.routed.view(world, local)
-    recv_counts = exchange_counts(send_counts, group)  # (P, E_local): rows from each rank per local expert
-    send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    clock["routed"] = time.perf_counter()
+    keep = _capacity_keep(layer, plan, routing, tokens)
+    weights = routing.topk_weight.reshape(-1).index_select(0, plan.order)
+    timings["route_s"] = time.perf_counter() - start
 
-    received = all_to_all(flat.index_select(0, plan.token), send_splits, recv_splits, group)
-    # which local expert each received row is for: rows from a rank arrive sorted by expert
-    local_expert = torch.repeat_interleave(torch.arange(local).repeat(world), recv_counts.reshape(-1))
-    capacity = None
-    if layer.capacity_factor is not None:
-        total_tokens = torch.tensor([tokens], dtype=torch.int64)
-        dist.all_reduce(total_tokens, group=group)
-        capacity = capacity_for(layer.capacity_factor, int(total_tokens), layer.top_k, layer.num_experts)
-        weights = routing.topk_weight.reshape(-1).index_select(0, plan.order).detach().contiguous()
-        received_weights = all_to_all(weights.unsqueeze(1), send_splits, recv_splits, group).squeeze(1)
-    else:
-        received_weights = torch.zeros(received.shape[0], dtype=torch.float32)
-    # local plan over the received rows: group by expert, keep each expert's top-capacity by weight
-    local_plan = plan_dispatch(local_expert.view(-1, 1), received_weights.view(-1, 1), local, capacity)
-    clock["dispatched"] = time.perf_counter()
+    def launch(lo, hi):
+        """Select chunk [lo, hi)'s kept assignments, swap counts, start their dispatch."""
+        sel = keep & (plan.token >= lo) & (plan.token < hi)
+        experts = plan.expert[sel]
+        send_counts = torch.bincount(experts, minlength=layer.num_experts).view(world, local)
+        recv_counts = exchange_counts(send_counts, group)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        rows = flat.index_select(0, plan.token[sel])
+        return sel, recv_counts, send_splits, recv_splits, _Pending(rows, send_splits, recv_splits, group)
 
-    expert_out = layer.experts.grouped(received.index_select(0, local_plan.order), local_plan.counts.tolist())
-    rows_out = torch.zeros(received.shape[0], expert_out.shape[-1], dtype=expert_out.dtype)
-    rows_out = rows_out.index_copy(0, local_plan.order, expert_out)  # dropped rows stay 0
-    clock["computed"] = time.perf_counter()
-
-    back = all_to_all(rows_out, recv_splits, send_splits, group)
-    y = unpermute(back, plan, routing.topk_weight, tokens)
-    clock["combined"] = time.perf_counter()
-    layer.last_stats = _stats(layer, routing, plan, local_plan, recv_splits, send_splits, clock)
+    bounds = _chunk_bounds(tokens, max(1, layer.overlap_chunks))
+    y = torch.zeros(tokens, flat.shape[-1], dtype=torch.promote_types(flat.dtype, torch.float32))
+    received_rows = 0
+    tick = time.perf_counter()
+    in_flight = launch(*bounds[0])
+    combines = []
+    for i in range(len(bounds)):
+        sel, recv_counts, send_splits, recv_splits, pending = in_flight
+        received = pending.result()
+        if i + 1 < len(bounds):
+            in_flight = launch(*bounds[i + 1])  # next chunk travels while this one computes
+        now = time.perf_counter()
+        timings["dispatch_s"] += now - tick
+        # rows from each rank arrive sorted by expert: regroup them by local expert
+        local_expert = torch.repeat_interleave(torch.arange(local).repeat(world), recv_counts.reshape(-1))
+        order = torch.argsort(local_expert, stable=True)
+        out_sorted = layer.experts.grouped(received.index_select(0, order), recv_counts.sum(0).tolist())
+        rows_out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
+        received_rows += received.shape[0]
+        tick = time.perf_counter()
+        timings["experts_s"] += tick - now
+        combines.append((sel, _Pending(rows_out, recv_splits, send_splits, group)))
+    for sel, pending in combines:
+        back = pending.result()
+        w = weights[sel].to(y.dtype).unsqueeze(-1)
+        y = y.index_add(0, plan.token[sel], back.to(y.dtype) * w)
+    timings["combine_s"] = time.perf_counter() - tick
+    layer.last_stats = _stats(layer, routing, plan, keep, received_rows, timings)
     return y
 
 
-def _stats(layer, routing, plan, local_plan, recv_splits, send_splits, clock):
-    """Global counts (one all-reduce and one all-gather of small integer vectors) and this rank's timings."""
+def _stats(layer, routing, plan, keep, received_rows, timings):
+    """Global per-expert counts (one all-reduce), rows per rank (one all-gather), this rank's timings."""
     from .layer import MoEStats
 
     group, world = layer.group, layer.ep_size
-    # per-received-row kept flag, sent home so each rank can count its own dropped tokens
-    if local_plan.capacity is None:
-        home_flags = torch.ones(plan.order.numel(), dtype=torch.bool)
-    else:
-        flags = torch.zeros(sum(recv_splits), 1, dtype=torch.float32)
-        flags[local_plan.order] = 1.0
-        home_flags = all_to_all(flags, recv_splits, send_splits, group).squeeze(1) > 0
     kept_tokens = torch.zeros(routing.topk_idx.shape[0], dtype=torch.bool)
-    kept_tokens[plan.token[home_flags]] = True
-    counts = torch.cat([plan.routed, torch.zeros(layer.num_experts, dtype=torch.int64)])
-    counts[layer.num_experts + layer.expert_offset : layer.num_experts + layer.expert_offset + layer.local_experts] = (
-        local_plan.counts
-    )
+    kept_tokens[plan.token[keep]] = True
+    kept_per_expert = torch.bincount(plan.expert[keep], minlength=layer.num_experts)
+    counts = torch.cat([plan.routed, kept_per_expert])
     dist.all_reduce(counts, group=group)
     routed, kept = counts[: layer.num_experts], counts[layer.num_experts :]
     per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(per_rank, torch.tensor([sum(recv_splits)], dtype=torch.int64), group=group)
+    dist.all_gather(per_rank, torch.tensor([received_rows], dtype=torch.int64), group=group)
     per_rank = torch.cat(per_rank)
     mean, rank_mean = routed.float().mean(), per_rank.float().mean()
     return MoEStats(
         tokens_per_expert=kept,
         routed_per_expert=routed,
-        dropped_assignments=int((~home_flags).sum()),
+        dropped_assignments=int((~keep).sum()),
         dropped_tokens=int((~kept_tokens).sum()),
         aux_loss=load_balancing_loss(routing.probs, routing.topk_idx, layer.num_experts),
         z_loss=router_z_loss(routing.logits),
         imbalance=float(routed.max() / mean) if mean > 0 else 1.0,
         tokens_per_rank=per_rank,
         rank_imbalance=float(per_rank.max() / rank_mean) if rank_mean > 0 else 1.0,
-        timings={
-            "route_s": clock["routed"] - clock["start"],
-            "dispatch_s": clock["dispatched"] - clock["routed"],
-            "experts_s": clock["computed"] - clock["dispatched"],
-            "combine_s": clock["combined"] - clock["computed"],
-        },
+        timings=timings,
     )

@@ -24,8 +24,8 @@ class MoEStats:
     tokens_per_expert: (E,) int64 assignments kept per expert; routed_per_expert: before capacity.
     dropped_assignments / dropped_tokens: lost to capacity (a dropped token keeps only its residual).
     aux_loss, z_loss: scalar tensors with gradients.  imbalance: max / mean routed load.
-    Expert parallelism adds (else None): tokens_per_rank (P,) assignment rows each rank
-    received (before capacity), rank_imbalance (max / mean of those), and seconds spent in
+    Expert parallelism adds (else None): tokens_per_rank (P,) assignment rows each rank's
+    experts computed (dropped ones never travel), rank_imbalance (max / mean of those), and seconds spent in
     route / dispatch / experts / combine on this rank; ``combine_s`` includes the
     wait for the slowest rank (the straggler).  Under expert parallelism the per-expert
     counts are global (summed over ranks) and dropped_* count this rank's tokens.
@@ -49,7 +49,9 @@ class MoELayer(nn.Module):
     x (..., hidden_size) -> y (..., hidden_size), same dtype.
     router: "softmax_topk" | "sigmoid_bias"; capacity_factor None = dropless.
     shared_ffn_size > 0 adds a shared expert (gated as in Qwen2-MoE if shared_gated).
-    group: expert-parallel process group (None or size 1 = all experts local).
+    group: expert-parallel process group (None or size 1 = all experts local); each
+    rank then holds num_experts / P experts and exchanges tokens by all-to-all.
+    overlap_chunks: micro-batches pipelined through the exchanges (expert parallelism).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class MoELayer(nn.Module):
         routed_scaling_factor: float = 1.0,
         shared_ffn_size: int = 0,
         shared_gated: bool = False,
+        overlap_chunks: int = 1,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
@@ -86,6 +89,9 @@ class MoELayer(nn.Module):
         self.local_experts = num_experts // self.ep_size
         self.expert_offset = self.ep_rank * self.local_experts
         self.capacity_factor = capacity_factor
+        if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
+        self.overlap_chunks = overlap_chunks
         self.router = Router(hidden_size, num_experts, top_k, router, normalize_topk, n_group, topk_group,
                              routed_scaling_factor)
         self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size)
