@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringmoe.moe import MoELayer
+from ringmoe.moe import MoELayer, plan_replicas
 from ringmoe.parallel.launch import RankFailed, spawn
 
 E, H, F, K, T_LOCAL = 12, 16, 24, 2, 13
@@ -97,3 +97,41 @@ def _fail_on_rank_one(rank, world):
     layer = MoELayer(H, F, 4, K, group=dist.group.WORLD)
     x = torch.randn(5, H if rank == 0 else H + 1)
     layer(x)  # rank 1 raises a ValueError before any exchange; rank 0 then fails on the broken group
+
+
+def _replicas(rank, world):
+    """Skewed routing: replicas keep the output and gradients exact and flatten the per-rank load."""
+    gen = torch.Generator().manual_seed(7)
+    x_all = torch.randn(world * 40, H, generator=gen, dtype=torch.float64) + 1.0  # aligned with the skew
+    g_all = torch.randn(world * 40, H, generator=gen, dtype=torch.float64)
+    rows = slice(rank * 40, (rank + 1) * 40)
+    full, plain = _layers(world, rank, ROUTERS[0], None, skew=True)
+    with torch.no_grad():  # experts 0 and 1 (both on rank 0) take most tokens
+        for layer in (full, plain):
+            layer.router.weight[1] = layer.router.weight[0] * 0.9 + 0.05
+    y_full = full(x_all.clone().requires_grad_())
+    (y_full * g_all).sum().backward()
+    plain(x_all[rows])
+    load = full.last_stats.routed_per_expert
+    plan = plan_replicas(load, world, E // world + 2)
+    ep = MoELayer(H, F, E, K, group=dist.group.WORLD, replicas=plan).double()
+    with torch.no_grad():
+        ep.router.weight.copy_(full.router.weight)
+    ep.load_expert_weights(full.experts.gate_up, full.experts.down)
+    x_local = x_all[rows].clone().requires_grad_()
+    y = ep(x_local)
+    (y * g_all[rows]).sum().backward()
+    ep.sync_replica_grads()
+    assert torch.allclose(y, y_full[rows], atol=1e-12)
+    index = torch.tensor(ep.slot_experts)
+    assert torch.allclose(ep.experts.gate_up.grad, full.experts.gate_up.grad[index], atol=1e-12)
+    assert torch.allclose(ep.experts.down.grad, full.experts.down.grad[index], atol=1e-12)
+    return plain.last_stats.rank_imbalance, ep.last_stats.rank_imbalance
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_replicas_exact_and_balanced(world_size):
+    results = spawn(_replicas, world_size, timeout=120)
+    before, after = results[0]
+    assert all(r == results[0] for r in results)  # every rank reports the same global figures
+    assert before > 1.3 and after < before

@@ -70,6 +70,7 @@ def _capacity_keep(layer, plan, routing, tokens) -> torch.Tensor:
     """Bool (N,) over ``plan.order``: which assignments the experts' owners keep."""
     if layer.capacity_factor is None:
         return torch.ones(plan.order.numel(), dtype=torch.bool)
+    # (capacity with replicas is rejected by the layer: plan ids are logical here)
     group, world, local = layer.group, layer.ep_size, layer.local_experts
     total_tokens = torch.tensor([tokens], dtype=torch.int64)
     dist.all_reduce(total_tokens, group=group)
@@ -89,6 +90,19 @@ def _capacity_keep(layer, plan, routing, tokens) -> torch.Tensor:
     return home > 0
 
 
+def _to_replicas(layer, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Logical expert ids (T, k) -> physical ids: a replicated expert's assignments go round-robin to its copies."""
+    if layer.replica_plan is None:
+        return topk_idx
+    table, copies = layer.replica_table
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=layer.num_experts)
+    rank_in_expert = torch.empty_like(flat)
+    rank_in_expert[order] = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    return table[flat, rank_in_expert % copies[flat]].view_as(topk_idx)
+
+
 def _chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     step = -(-tokens // chunks) if tokens else 0
     return [(min(tokens, i * step), min(tokens, (i + 1) * step)) for i in range(chunks)]
@@ -100,7 +114,8 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
     tokens = flat.shape[0]
     timings = {"route_s": 0.0, "dispatch_s": 0.0, "experts_s": 0.0, "combine_s": 0.0}
     start = time.perf_counter()
-    plan = plan_dispatch(routing.topk_idx, routing.topk_weight, layer.num_experts, None)
+    physical = layer.physical_experts
+    plan = plan_dispatch(_to_replicas(layer, routing.topk_idx), routing.topk_weight, physical, None)
     keep = _capacity_keep(layer, plan, routing, tokens)
     weights = routing.topk_weight.reshape(-1).index_select(0, plan.order)
     timings["route_s"] = time.perf_counter() - start
@@ -109,7 +124,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
         """Select chunk [lo, hi)'s kept assignments, swap counts, start their dispatch."""
         sel = keep & (plan.token >= lo) & (plan.token < hi)
         experts = plan.expert[sel]
-        send_counts = torch.bincount(experts, minlength=layer.num_experts).view(world, local)
+        send_counts = torch.bincount(experts, minlength=physical).view(world, local)
         recv_counts = exchange_counts(send_counts, group)
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         rows = flat.index_select(0, plan.token[sel])
@@ -153,8 +168,10 @@ def _stats(layer, routing, plan, keep, received_rows, timings):
     group, world = layer.group, layer.ep_size
     kept_tokens = torch.zeros(routing.topk_idx.shape[0], dtype=torch.bool)
     kept_tokens[plan.token[keep]] = True
-    kept_per_expert = torch.bincount(plan.expert[keep], minlength=layer.num_experts)
-    counts = torch.cat([plan.routed, kept_per_expert])
+    logical = routing.topk_idx.reshape(-1).index_select(0, plan.order)
+    routed_per_expert = torch.bincount(logical, minlength=layer.num_experts)
+    kept_per_expert = torch.bincount(logical[keep], minlength=layer.num_experts)
+    counts = torch.cat([routed_per_expert, kept_per_expert])
     dist.all_reduce(counts, group=group)
     routed, kept = counts[: layer.num_experts], counts[layer.num_experts :]
     per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
 from .expert_parallel import expert_parallel_forward
+from .balance import ReplicaPlan
 from .experts import SharedExpert, SwiGLUExperts
 from .router import Router, load_balancing_loss, router_z_loss
 
@@ -70,6 +71,7 @@ class MoELayer(nn.Module):
         shared_ffn_size: int = 0,
         shared_gated: bool = False,
         overlap_chunks: int = 1,
+        replicas: ReplicaPlan | None = None,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
@@ -88,6 +90,20 @@ class MoELayer(nn.Module):
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.local_experts = num_experts // self.ep_size
         self.expert_offset = self.ep_rank * self.local_experts
+        self.replica_plan = replicas
+        self.slot_experts = list(range(self.expert_offset, self.expert_offset + self.local_experts))
+        if replicas is not None:
+            if group is None or replicas.num_ranks != self.ep_size or replicas.num_experts != num_experts:
+                raise ValueError(
+                    f"replicas must plan {num_experts} experts over the group's {self.ep_size} ranks, got "
+                    f"{replicas.num_experts} experts over {replicas.num_ranks} ranks"
+                )
+            if capacity_factor is not None:
+                raise ValueError("replicas need the dropless mode (capacity_factor=None)")
+            self.local_experts = replicas.slots_per_rank
+            self.slot_experts = list(replicas.slots[self.ep_rank])
+            self.replica_table = replicas.table()
+        self.physical_experts = self.ep_size * self.local_experts
         self.capacity_factor = capacity_factor
         if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
@@ -126,6 +142,27 @@ class MoELayer(nn.Module):
             y = y + self.shared(flat)
         self.last_stats = self._stats(routing, plan)
         return y.to(x.dtype).reshape(x.shape)
+
+    @torch.no_grad()
+    def load_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Fill this rank's expert slots from the logical weights gate_up (E, 2F, H), down (E, H, F)."""
+        index = torch.tensor(self.slot_experts)
+        self.experts.gate_up.copy_(gate_up.index_select(0, index))
+        self.experts.down.copy_(down.index_select(0, index))
+
+    @torch.no_grad()
+    def sync_replica_grads(self) -> None:
+        """Sum the gradients of every replica of an expert over the group, so the copies stay identical."""
+        if self.replica_plan is None:
+            return
+        index = torch.tensor(self.slot_experts)
+        for param in (self.experts.gate_up, self.experts.down):
+            if param.grad is None:
+                continue
+            total = param.grad.new_zeros(self.num_experts, *param.shape[1:])
+            total.index_add_(0, index, param.grad)
+            dist.all_reduce(total, group=self.group)
+            param.grad.copy_(total.index_select(0, index))
 
     def __getstate__(self):
         # last_stats holds graph tensors (aux_loss): not part of the module's state (copy, pickle)
