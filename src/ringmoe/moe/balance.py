@@ -35,7 +35,7 @@ class ReplicaPlan:
         """(num_ranks,) load each rank gets if each expert's load splits evenly over its replicas."""
         load = expert_load.double()
         per_copy = load / torch.tensor([len(r) for r in self.replicas], dtype=torch.float64)
-        return torch.tensor([float(sum(per_copy[e] for e in rank)) for rank in self.slots])
+        return torch.tensor([float(sum(per_copy[e] for e in rank)) for rank in self.slots], dtype=torch.float64)
 
     def table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(E, max_replicas) physical ids padded with -1, and (E,) replica counts."""
