@@ -66,7 +66,7 @@ def _check(rank, world):
                     dropped = torch.tensor([stats.dropped_assignments, stats.dropped_tokens])
                     dist.all_reduce(dropped)
                     assert dropped.tolist() == [ref.dropped_assignments, ref.dropped_tokens], label
-                    assert set(stats.timings) == {"route_s", "dispatch_s", "experts_s", "combine_s"}
+                    assert set(stats.timings) == {"route_s", "dispatch_s", "experts_s", "combine_s", "dispatch_bytes"}
                 if capacity_factor is None:
                     assert ref.dropped_assignments == 0 and int(ref.tokens_per_expert.sum()) == world * T_LOCAL * K
                 checked += 1

@@ -132,12 +132,13 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
 
     bounds = _chunk_bounds(tokens, max(1, layer.overlap_chunks))
     y = torch.zeros(tokens, flat.shape[-1], dtype=torch.promote_types(flat.dtype, torch.float32))
-    received_rows = 0
+    received_rows, remote_rows = 0, 0
     tick = time.perf_counter()
     in_flight = launch(*bounds[0])
     combines = []
     for i in range(len(bounds)):
         sel, recv_counts, send_splits, recv_splits, pending = in_flight
+        remote_rows += sum(send_splits) - send_splits[layer.ep_rank]
         received = pending.result()
         if i + 1 < len(bounds):
             in_flight = launch(*bounds[i + 1])  # next chunk travels while this one computes
@@ -157,6 +158,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
         w = weights[sel].to(y.dtype).unsqueeze(-1)
         y = y.index_add(0, plan.token[sel], back.to(y.dtype) * w)
     timings["combine_s"] = time.perf_counter() - tick
+    timings["dispatch_bytes"] = remote_rows * flat.shape[-1] * flat.element_size()
     layer.last_stats = _stats(layer, routing, plan, keep, received_rows, timings)
     return y
 

@@ -28,7 +28,8 @@ class MoEStats:
     Expert parallelism adds (else None): tokens_per_rank (P,) assignment rows each rank's
     experts computed (dropped ones never travel), rank_imbalance (max / mean of those), and seconds spent in
     route / dispatch / experts / combine on this rank; ``combine_s`` includes the
-    wait for the slowest rank (the straggler).  Under expert parallelism the per-expert
+    wait for the slowest rank (the straggler); ``dispatch_bytes`` counts rows sent to
+    other ranks.  Under expert parallelism the per-expert
     counts are global (summed over ranks) and dropped_* count this rank's tokens.
     """
 
