@@ -29,41 +29,10 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import capacity_for, plan_dispatch
-from .exchange import all_to_all, exchange_counts
+from .exchange import exchange_counts, start_all_to_all
 from .router import load_balancing_loss, router_z_loss
 
 __all__ = ["expert_parallel_forward"]
-
-
-class _AsyncAllToAll(torch.autograd.Function):
-    """Starts the exchange and returns at once; call ``handle.wait()`` before reading the result."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, handle):
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        out = x.new_empty(sum(recv_splits), *x.shape[1:])
-        handle.append(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
-                                             async_op=True))
-        handle.append(x)  # keep the send buffer alive until the exchange completes
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
-        return back, None, None, None, None
-
-
-class _Pending:
-    """An exchange in flight: ``result()`` waits for it and returns the received rows."""
-
-    def __init__(self, x, send_splits, recv_splits, group):
-        self._handle: list = []
-        self._out = _AsyncAllToAll.apply(x, send_splits, recv_splits, group, self._handle)
-
-    def result(self) -> torch.Tensor:
-        self._handle[0].wait()
-        return self._out
 
 
 def _capacity_keep(layer, plan, routing, tokens) -> torch.Tensor:
@@ -128,7 +97,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
         recv_counts = exchange_counts(send_counts, group)
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         rows = flat.index_select(0, plan.token[sel])
-        return sel, recv_counts, send_splits, recv_splits, _Pending(rows, send_splits, recv_splits, group)
+        return sel, recv_counts, send_splits, recv_splits, start_all_to_all(rows, send_splits, recv_splits, group)
 
     bounds = _chunk_bounds(tokens, max(1, layer.overlap_chunks))
     y = torch.zeros(tokens, flat.shape[-1], dtype=torch.promote_types(flat.dtype, torch.float32))
@@ -152,7 +121,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
         received_rows += received.shape[0]
         tick = time.perf_counter()
         timings["experts_s"] += tick - now
-        combines.append((sel, _Pending(rows_out, recv_splits, send_splits, group)))
+        combines.append((sel, start_all_to_all(rows_out, recv_splits, send_splits, group)))
     for sel, pending in combines:
         back = pending.result()
         w = weights[sel].to(y.dtype).unsqueeze(-1)
