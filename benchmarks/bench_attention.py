@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, measure_in_subprocess, median_time, peak_rss_bytes, reset_peak_rss, rss_bytes, write_results  # noqa: E402
+from common import RESULTS, measure_in_subprocess, median_time, peak_rss_bytes, pyplot, reset_peak_rss, rss_bytes, write_results  # noqa: E402
 
 from ringmoe import flash_attn_func  # noqa: E402
 
@@ -141,11 +141,7 @@ def summarize(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     styles = {"ringmoe_blockwise": "C0", "torch_sdpa": "C1", "naive": "C2"}
     for col, backward in enumerate((False, True)):

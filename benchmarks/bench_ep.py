@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, pyplot, write_results  # noqa: E402
 
 from ringmoe.moe import MoELayer, plan_replicas  # noqa: E402
 from ringmoe.parallel.launch import spawn  # noqa: E402
@@ -128,11 +128,7 @@ def main():
 
 
 def plot(summary, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = [k for k, v in summary.items() if isinstance(v, dict)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     axes[0].bar(keys, [summary[k]["seconds"] for k in keys], label="total", color="C0")

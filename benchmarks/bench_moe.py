@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_time, write_results  # noqa: E402
+from common import RESULTS, median_time, pyplot, write_results  # noqa: E402
 
 from ringmoe.moe import MoELayer  # noqa: E402
 
@@ -83,11 +83,7 @@ def main():
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         for impl, color in (("transformers_mixtral", "C1"), ("ringmoe_dropless", "C0"), ("ringmoe_capacity_1.25", "C2")):

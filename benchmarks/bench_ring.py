@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_time, write_results  # noqa: E402
+from common import RESULTS, median_time, pyplot, write_results  # noqa: E402
 
 from ringmoe import flash_attn_func  # noqa: E402
 from ringmoe.parallel import LAYOUTS, RingStats, ring_flash_attn_func, shard  # noqa: E402
@@ -141,11 +141,7 @@ def main():
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     n = max(r["n"] for r in rows)
     zig = next(r for r in rows if r["impl"] == "ring_zigzag" and r["n"] == n and r["mode"] == "fwd+bwd")

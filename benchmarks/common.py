@@ -80,3 +80,13 @@ def write_results(name: str, payload: dict) -> Path:
     payload = {"environment": environment(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -50,6 +50,29 @@ def triton_unsupported(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) ->
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with float32 accumulation; exact float32 products (no TF32) for float32 inputs."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, offset, left, right,
+               BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Keys [lo, hi) that some row of the query tile starting at start_m sees, and its last row."""
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    lo = seqlen_k * 0
+    hi = seqlen_k + 0
+    if HAS_RIGHT:
+        hi = tl.minimum(seqlen_k, last_m + offset + right + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(0, start_m + offset - left)
+    return lo, hi, last_m
+
+
+@triton.jit
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at +-inf
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -60,10 +83,7 @@ def _scores(q, k, offs_m, cols, seqlen_k, lo, hi, offset, left, right, scale, so
             MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """Scores of a (BLOCK_M, BLOCK_N) tile in log2 units, -inf where masked."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = _dot(q, tl.trans(k), IEEE)
     if SOFTCAP:
         s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
     else:
@@ -96,11 +116,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, stop, offs_m, 
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)  # rescale earlier sums to the new maximum
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -126,16 +142,12 @@ def _fwd_kernel(Q, K, V, O, LSE,
     v_base = V + b * svb + kvh * svh
 
     # keys any row of this tile sees: [lo, hi); keys every row sees: [full_lo, full_hi)
-    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    lo = seqlen_k * 0
-    hi = seqlen_k + 0
-    full_lo = seqlen_k * 0
-    full_hi = seqlen_k + 0
+    lo, hi, last_m = _key_range(start_m, seqlen_q, seqlen_k, offset, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    full_lo = lo
+    full_hi = hi
     if HAS_RIGHT:
-        hi = tl.minimum(seqlen_k, last_m + offset + right + 1)
         full_hi = tl.minimum(hi, start_m + offset + right + 1)
     if HAS_LEFT:
-        lo = tl.maximum(0, start_m + offset - left)
         full_lo = tl.maximum(lo, last_m + offset - left)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.maximum(full_hi, full_lo)
@@ -185,12 +197,8 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, som, sdm, rows, HEAD_DIM: tl.constexpr, 
 def _ds_tile(q, k, v, do, lse, delta, offs_m, cols, seqlen_k, lo, hi, offset, left, right, scale, softcap,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """(p, dS) of a (BLOCK_M, BLOCK_N) tile; dS is w.r.t. the raw score q.k (before scale)."""
-    if IEEE:
-        raw = tl.dot(q, tl.trans(k), input_precision="ieee")
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-    else:
-        raw = tl.dot(q, tl.trans(k))
-        dp = tl.dot(do, tl.trans(v))
+    raw = _dot(q, tl.trans(k), IEEE)
+    dp = _dot(do, tl.trans(v), IEEE)
     if SOFTCAP:
         t = _tanh(raw * (scale / softcap))
         s = softcap * t
@@ -248,12 +256,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             delta = tl.load(DELTA + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=0.0)
             p, ds = _ds_tile(q, k, v, do, lse, delta, offs_m, cols, seqlen_k, 0, seqlen_k, offset, left, right,
                              scale, softcap, HAS_LEFT, HAS_RIGHT, SOFTCAP, IEEE)
-            if IEEE:
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
-            else:
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     tl.store(DK + b * sdkb + kvh * sdkh + cols[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=kv_mask)
     tl.store(DV + b * sdvb + kvh * sdvh + cols[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -280,13 +284,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=q_mask, other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    lo = seqlen_k * 0
-    hi = seqlen_k + 0
-    if HAS_RIGHT:
-        hi = tl.minimum(seqlen_k, last_m + offset + right + 1)
-    if HAS_LEFT:
-        lo = tl.maximum(0, start_m + offset - left)
+    lo, hi, last_m = _key_range(start_m, seqlen_q, seqlen_k, offset, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -295,10 +293,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         p, ds = _ds_tile(q, k, v, do, lse, delta, offs_m, cols, seqlen_k, lo, hi, offset, left, right,
                          scale, softcap, HAS_LEFT, HAS_RIGHT, SOFTCAP, IEEE)
-        if IEEE:
-            dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+        dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=q_mask)
 

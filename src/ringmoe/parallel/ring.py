@@ -159,6 +159,13 @@ class _Ring:
                 {"step": step, "compute_s": compute, "wait_s": wait, "bytes_sent": nbytes}
             )
 
+    def prefetch(self, kv, step):
+        """Start passing ``kv`` on and receiving the next block, unless this is the last step."""
+        if step == self.comm.world_size - 1:
+            return None, []
+        incoming = torch.empty_like(kv)
+        return incoming, self.comm.send_recv(kv, incoming, _KV_TAG)
+
     # -- forward ---------------------------------------------------------------
     def forward(self, q, k, v):
         batch, local_len, heads, head_dim = q.shape
@@ -169,19 +176,15 @@ class _Ring:
         world = self.comm.world_size
         for step in range(world):
             start = time.perf_counter()
-            pending, incoming = [], None
-            if step < world - 1:
-                incoming = torch.empty_like(kv)
-                pending = self.comm.send_recv(kv, incoming, _KV_TAG)
+            incoming, pending = self.prefetch(kv, step)
             for task in self.tasks(local_len, step):
                 spec = _task_spec(self.spec, task)
-                qs, ks, vs = q[:, task.q0 : task.q1], kv[0][:, task.k0 : task.k1], kv[1][:, task.k0 : task.k1]
+                rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
+                qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
                 block_out, block_lse = self.kernel(qs, ks, spec).forward(qs, ks, vs, spec)
-                merged_out, merged_lse = merge_attention(
-                    out[:, task.q0 : task.q1], lse[:, :, task.q0 : task.q1], block_out, block_lse.to(acc_dtype)
+                out[:, rows], lse[:, :, rows] = merge_attention(
+                    out[:, rows], lse[:, :, rows], block_out, block_lse.to(acc_dtype)
                 )
-                out[:, task.q0 : task.q1] = merged_out
-                lse[:, :, task.q0 : task.q1] = merged_lse
             computed = time.perf_counter()
             for work in pending:
                 work.wait()
@@ -202,10 +205,7 @@ class _Ring:
         send_buffers = []  # keep sent tensors alive until their isend completes
         for step in range(world):
             start = time.perf_counter()
-            kv_pending, kv_next = [], None
-            if step < world - 1:
-                kv_next = torch.empty_like(kv)
-                kv_pending = self.comm.send_recv(kv, kv_next, _KV_TAG)
+            kv_next, kv_pending = self.prefetch(kv, step)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
             for task in self.tasks(local_len, step):
                 spec = _task_spec(self.spec, task)
