@@ -8,12 +8,14 @@ One forward on every rank:
    owner, which keeps its ``capacity`` heaviest assignments over *all* ranks
    (so the result equals one rank holding every expert and token) and answers
    with keep flags; dropped assignments never travel;
-3. dispatch: exchange per-expert counts (a P x E_local all-to-all), then
-   ``all_to_all`` the kept rows to the experts' owners (a token that chose two
-   experts on two ranks is sent to both);
-4. each owner regroups what arrived by local expert and runs its experts;
-5. combine: the reverse ``all_to_all`` brings outputs home, where they are
-   weighted by the router and summed per token.
+3. dispatch: exchange row counts, then ``all_to_all`` one row per (token,
+   destination rank) -- a token that chose two experts on two ranks is sent to
+   both, one that chose two experts on the same rank is sent there once --
+   with a small side tensor of its expert ids and router weights there;
+4. each owner expands the rows to (row, expert) assignments, runs each local
+   expert on its rows, and sums the router-weighted outputs per row;
+5. combine: the reverse ``all_to_all`` brings one row per (token, rank) home,
+   where the rows are summed per token.
 
 ``overlap_chunks = n`` splits the local tokens into n micro-batches and
 pipelines them: chunk i+1's dispatch is in flight while chunk i's experts run,
@@ -89,46 +91,66 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
     weights = routing.topk_weight.reshape(-1).index_select(0, plan.order)
     timings["route_s"] = time.perf_counter() - start
 
+    k = layer.top_k
+    out_dtype = torch.promote_types(flat.dtype, torch.float32)
+    meta_dtype = torch.promote_types(weights.dtype, torch.float32)  # router weights at full precision
+
     def launch(lo, hi):
-        """Select chunk [lo, hi)'s kept assignments, swap counts, start their dispatch."""
+        """Chunk [lo, hi): one row per (token, destination rank) plus its experts there and their weights."""
         sel = keep & (plan.token >= lo) & (plan.token < hi)
-        experts = plan.expert[sel]
-        send_counts = torch.bincount(experts, minlength=physical).view(world, local)
-        recv_counts = exchange_counts(send_counts, group)
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        rows = flat.index_select(0, plan.token[sel])
-        return sel, recv_counts, send_splits, recv_splits, start_all_to_all(rows, send_splits, recv_splits, group)
+        tok, phys = plan.token[sel], plan.expert[sel]
+        dest = phys // local
+        pairs, pair_of = torch.unique(dest * tokens + tok, return_inverse=True)  # sorted: grouped by rank
+        pair_token = pairs % tokens
+        # slot of each assignment inside its pair: a token may pick several experts on one rank
+        per_pair = torch.bincount(pair_of, minlength=pairs.numel())
+        order = torch.argsort(pair_of, stable=True)
+        slot = torch.empty_like(pair_of)
+        slot[order] = torch.arange(pair_of.numel()) - (torch.cumsum(per_pair, 0) - per_pair)[pair_of[order]]
+        # meta (pairs, 2k): [router weights | local expert ids, -1 = unused]; weights keep their gradient
+        ids = torch.full((pairs.numel(), k), -1.0, dtype=meta_dtype)
+        ids = ids.index_put((pair_of, slot), (phys % local).to(meta_dtype))
+        w = torch.zeros(pairs.numel(), k, dtype=meta_dtype).index_put((pair_of, slot), weights[sel].to(meta_dtype))
+        send_splits = torch.bincount(pairs // tokens, minlength=world)
+        recv_splits = exchange_counts(send_splits.view(world, 1), group).view(-1).tolist()
+        send_splits = send_splits.tolist()
+        rows = start_all_to_all(flat.index_select(0, pair_token), send_splits, recv_splits, group)
+        meta = start_all_to_all(torch.cat([w, ids], dim=1), send_splits, recv_splits, group)
+        return pair_token, send_splits, recv_splits, rows, meta
 
     bounds = _chunk_bounds(tokens, max(1, layer.overlap_chunks))
-    y = torch.zeros(tokens, flat.shape[-1], dtype=torch.promote_types(flat.dtype, torch.float32))
-    received_rows, remote_rows = 0, 0
+    y = torch.zeros(tokens, flat.shape[-1], dtype=out_dtype)
+    computed_rows, remote_bytes = 0, 0
+    row_bytes = flat.shape[-1] * flat.element_size() + 2 * k * meta_dtype.itemsize
     tick = time.perf_counter()
     in_flight = launch(*bounds[0])
     combines = []
     for i in range(len(bounds)):
-        sel, recv_counts, send_splits, recv_splits, pending = in_flight
-        remote_rows += sum(send_splits) - send_splits[layer.ep_rank]
-        received = pending.result()
+        pair_token, send_splits, recv_splits, rows, meta = in_flight
+        remote_bytes += (sum(send_splits) - send_splits[layer.ep_rank]) * row_bytes
+        received, received_meta = rows.result(), meta.result()
         if i + 1 < len(bounds):
             in_flight = launch(*bounds[i + 1])  # next chunk travels while this one computes
         now = time.perf_counter()
         timings["dispatch_s"] += now - tick
-        # rows from each rank arrive sorted by expert: regroup them by local expert
-        local_expert = torch.repeat_interleave(torch.arange(local).repeat(world), recv_counts.reshape(-1))
-        order = torch.argsort(local_expert, stable=True)
-        out_sorted = layer.experts.grouped(received.index_select(0, order), recv_counts.sum(0).tolist())
-        rows_out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-        received_rows += received.shape[0]
+        # expand each received row to its (row, expert) assignments, grouped by local expert
+        row_idx, slot_idx = (received_meta[:, k:] >= 0).nonzero(as_tuple=True)
+        expert_of = received_meta[row_idx, k + slot_idx].detach().long()
+        order = torch.argsort(expert_of, stable=True)
+        row_idx, slot_idx = row_idx[order], slot_idx[order]
+        out = layer.experts.grouped(received.index_select(0, row_idx),
+                                    torch.bincount(expert_of, minlength=local).tolist())
+        weighted = out.to(out_dtype) * received_meta[row_idx, slot_idx].to(out_dtype).unsqueeze(-1)
+        rows_out = torch.zeros(received.shape[0], out.shape[-1], dtype=out_dtype).index_add(0, row_idx, weighted)
+        computed_rows += row_idx.numel()
         tick = time.perf_counter()
         timings["experts_s"] += tick - now
-        combines.append((sel, start_all_to_all(rows_out, recv_splits, send_splits, group)))
-    for sel, pending in combines:
-        back = pending.result()
-        w = weights[sel].to(y.dtype).unsqueeze(-1)
-        y = y.index_add(0, plan.token[sel], back.to(y.dtype) * w)
+        combines.append((pair_token, start_all_to_all(rows_out.to(flat.dtype), recv_splits, send_splits, group)))
+    for pair_token, pending in combines:
+        y = y.index_add(0, pair_token, pending.result().to(out_dtype))
     timings["combine_s"] = time.perf_counter() - tick
-    timings["dispatch_bytes"] = remote_rows * flat.shape[-1] * flat.element_size()
-    layer.last_stats = _stats(layer, routing, plan, keep, received_rows, timings)
+    timings["dispatch_bytes"] = remote_bytes
+    layer.last_stats = _stats(layer, routing, plan, keep, computed_rows, timings)
     return y
 
 
