@@ -96,3 +96,52 @@ def test_failing_rank_fails_fast():
     with pytest.raises(RankFailed, match="rank 1 is broken"):
         spawn(_one_rank_fails, 2, timeout=60)
     assert time.monotonic() - start < 30
+
+
+def _low_precision(rank, world_size):
+    """bfloat16 shards: error vs float64 within 2x plain bfloat16 attention (flash-attn's rule)."""
+    seqlen = 2 * world_size * 8
+    for layout in LAYOUTS:
+        q, k, v, dout = random_qkv(31, 1, seqlen, seqlen, 4, 2, 16, torch.bfloat16)
+        spec = AttentionSpec(0.25, True)
+        exact = reference_with_grads(q, k, v, dout, spec)
+        plain = reference_with_grads(q, k, v, dout, spec, dtype=torch.bfloat16)
+        local = [shard(x, world_size, rank, layout).requires_grad_() for x in (q, k, v)]
+        out = ring_flash_attn_func(*local, causal=True, layout=layout, softmax_scale=0.25)
+        out.backward(shard(dout, world_size, rank, layout))
+        assert out.dtype == torch.bfloat16
+        for name, g, p, e in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in local)),
+                                 (plain[0], *plain[2:]), (exact[0], *exact[2:])):
+            ours = max_err(g, shard(e, world_size, rank, layout))
+            theirs = max_err(shard(p, world_size, rank, layout), shard(e, world_size, rank, layout))
+            assert ours <= 2 * theirs + 1e-6, f"{layout} {name}: {ours:.3g} vs plain {theirs:.3g}"
+    return True
+
+
+def test_ring_bfloat16_within_twice_plain_pytorch():
+    assert spawn(_low_precision, 2, timeout=120) == [True, True]
+
+
+def _check_all_layouts_with(rank, world_size, backend):
+    """Every layout, causal, fp32, through the given block kernel."""
+    seqlen = 2 * world_size * 8
+    for layout in LAYOUTS:
+        q, k, v, dout = random_qkv(41, 1, seqlen, seqlen, 2, 1, 16)
+        spec = AttentionSpec(0.25, True)
+        want = reference_with_grads(q, k, v, dout, spec)
+        local = [shard(x, world_size, rank, layout).requires_grad_() for x in (q, k, v)]
+        out, lse = ring_flash_attn_func(*local, layout=layout, softmax_scale=0.25, return_lse=True, backend=backend)
+        out.backward(shard(dout, world_size, rank, layout))
+        for name, g, w, dim in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *(x.grad for x in local)),
+                                   want, (1, 2, 1, 1, 1)):
+            assert max_err(g, shard(w, world_size, rank, layout, dim=dim)) < 3e-5, f"{layout} {name}"
+    return True
+
+
+def test_ring_with_triton_block_kernel():
+    pytest.importorskip("triton")
+    from ringmoe.attention.triton_flash import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    assert spawn(_check_all_layouts_with, 2, "triton", timeout=240) == [True, True]

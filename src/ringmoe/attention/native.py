@@ -6,12 +6,17 @@ serve as the per-block kernel of ring attention too.  It knows only "no mask"
 and top-left causal on its own inputs; other causal offsets are reduced to
 those by slicing (see ``_causal_slices``).  Windows and softcap are not
 supported here: ``backend="auto"`` then falls back to the blockwise kernel.
+
+float16 and bfloat16 inputs are computed in float32 (like every ringmoe
+kernel accumulates): the results are then float32, so partial results that
+ring attention adds up are not rounded to half precision block by block.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .blockwise import blockwise_backward, compute_dtype
 from .mask import AttentionSpec
 
 __all__ = ["native_forward", "native_backward", "native_unsupported"]
@@ -56,13 +61,14 @@ def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 def native_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D); k, v (B, Sk, Hkv, D).  Returns out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32/64."""
+    """q (B, Sq, H, D); k, v (B, Sk, Hkv, D).  Returns out (B, Sq, H, D), lse (B, H, Sq): float32 (float64 for float64)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     causal, row0, nkeys = _causal_slices(spec, seqlen_q, seqlen_k)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = torch.zeros_like(q)
-    lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=lse_dtype, device=q.device)
+    lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
     if row0 < seqlen_q and nkeys > 0:
         group = heads // kv_heads
         qs = q[:, row0:].transpose(1, 2)
@@ -86,24 +92,23 @@ def native_backward(
     spec: AttentionSpec,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients through torch's CPU flash backward.  ``out``/``lse`` may be those of a larger attention.
+    """Gradients through torch's CPU flash backward, float32 (float64 for float64).
 
-    A gradient on lse is not part of torch's kernel; it goes to the blockwise backward.
+    ``out``/``lse`` may be those of a larger attention.  A gradient on lse is not
+    part of torch's kernel; it goes to the blockwise backward.
     """
     if dlse is not None:
-        from .blockwise import blockwise_backward
-
         return blockwise_backward(dout, q, k, v, out, lse, spec, dlse)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     causal, row0, nkeys = _causal_slices(spec, seqlen_q, seqlen_k)
+    dtype = lse_dtype = compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     if row0 < seqlen_q and nkeys > 0:
-        dtype = q.dtype
-        lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
         def heads_first(x):
             return x[:, row0:].to(dtype).transpose(1, 2)

@@ -346,11 +346,12 @@ def _mask_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> dict:
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec):
-    """q (B, Sq, H, D); k, v (B, Sk, Hkv, D).  Returns out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32."""
+    """q (B, Sq, H, D); k, v (B, Sk, Hkv, D).  Returns out (B, Sq, H, D) and lse (B, H, Sq), both float32."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # float32 output: ring attention merges per-block outputs, which must not be rounded to half precision
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if seqlen_q == 0:
         return out, lse
@@ -371,7 +372,7 @@ def triton_backward(dout, q, k, v, out, lse, spec: AttentionSpec, dlse=None):
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     q, k, v = (x.contiguous() for x in (q, k, v))
     dout = dout.to(q.dtype).contiguous()
-    out = out.to(q.dtype).contiguous()
+    out = out.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
