@@ -7,7 +7,7 @@ from numbers import Integral, Real
 
 import torch
 
-from .kernels import BACKENDS, attention_with_kernel, resolve_kernel
+from .kernels import attention_with_kernel, check_backend, resolve_kernel
 from .mask import AttentionSpec, default_scale
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "make_spec", "check_qkv"]
@@ -77,11 +77,6 @@ def check_qkv(q, k, v, *, varlen: bool = False) -> None:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads}) (GQA/MQA)")
 
 
-def _check_backend(backend) -> None:
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
-
-
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,7 +101,6 @@ def flash_attn_func(
     """
     check_qkv(q, k, v)
     spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, softcap)
-    _check_backend(backend)
     kernel = resolve_kernel(backend, q, k, spec)
     out, lse = attention_with_kernel(q, k, v, kernel, spec)
     return (out, lse) if return_lse else out
@@ -153,7 +147,7 @@ def flash_attn_varlen_func(
     if len(bounds_q) != len(bounds_k):
         raise ValueError(f"cu_seqlens_q ({len(bounds_q)}) and cu_seqlens_k ({len(bounds_k)}) must have equal length")
     spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, softcap)
-    _check_backend(backend)
+    check_backend(backend)
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
         qs, ks, vs = q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0)

@@ -19,7 +19,7 @@ from .mask import AttentionSpec
 from .native import native_backward, native_forward, native_unsupported
 from .reference import attention_reference
 
-__all__ = ["BlockKernel", "BACKENDS", "resolve_kernel", "AttentionFunction", "attention_with_kernel"]
+__all__ = ["BlockKernel", "BACKENDS", "check_backend", "resolve_kernel", "AttentionFunction", "attention_with_kernel"]
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionSpec], tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -84,6 +84,12 @@ BACKENDS: dict[str, BlockKernel] = {
 }
 
 
+def check_backend(backend) -> None:
+    """ValueError unless ``backend`` names a kernel (or "auto"); cheap, for before any communication."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+
+
 def resolve_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> BlockKernel:
     """The kernel for ``backend``; "auto" takes the fastest that supports the request.
 
@@ -98,8 +104,7 @@ def resolve_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, spec: Attenti
             if BACKENDS[name].unsupported(q, k, spec) is None:
                 return BACKENDS[name]
         return BACKENDS["blockwise"]
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+    check_backend(backend)
     kernel = BACKENDS[backend]
     reason = kernel.unsupported(q, k, spec)
     if reason is not None:

@@ -41,7 +41,7 @@ def _capacity_keep(layer, plan, routing, tokens) -> torch.Tensor:
     """Bool (N,) over ``plan.order``: which assignments the experts' owners keep."""
     if layer.capacity_factor is None:
         return torch.ones(plan.order.numel(), dtype=torch.bool)
-    # (capacity with replicas is rejected by the layer: plan ids are logical here)
+    # replicas need dropless (the layer rejects capacity with them), so plan ids are one per expert here
     group, world, local = layer.group, layer.ep_size, layer.local_experts
     total_tokens = torch.tensor([tokens], dtype=torch.int64)
     dist.all_reduce(total_tokens, group=group)

@@ -11,7 +11,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["SwiGLUExperts", "SharedExpert"]
+__all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) for rows x (n, H), gate_up (2F, H) = [gate; up], down (H, F)."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 class SwiGLUExperts(nn.Module):
@@ -25,8 +31,7 @@ class SwiGLUExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on rows x (n, H) -> (n, H)."""
-        gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[e])
+        return swiglu(x, self.gate_up[e], self.down[e])
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (N, H) sorted by expert with ``counts[e]`` rows for expert e: one matmul pair per expert.
@@ -39,8 +44,7 @@ class SwiGLUExperts(nn.Module):
         outs = []
         for e, rows in enumerate(x.split(counts)):
             if rows.shape[0]:
-                gate, up = F.linear(rows, gate_ups[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, downs[e]))
+                outs.append(swiglu(rows, gate_ups[e], downs[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:

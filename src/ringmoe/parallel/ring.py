@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.api import check_qkv, make_spec
-from ..attention.kernels import BACKENDS, resolve_kernel
+from ..attention.kernels import check_backend, resolve_kernel
 from ..attention.mask import AttentionSpec
 from ..attention.merge import merge_attention
 from .layout import Segment, check_local_length, segments
@@ -290,8 +290,7 @@ def ring_flash_attn_func(
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same tokens: local seqlen {q.shape[1]} vs {k.shape[1]}")
     check_local_length(q.shape[1], layout)
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+    check_backend(backend)
     spec = make_spec(q.shape[-1], softmax_scale, causal, (-1, -1), softcap)
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
