@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, measure_in_subprocess, median_time, peak_rss_bytes, pyplot, reset_peak_rss, rss_bytes, write_results  # noqa: E402
+from common import measure_in_subprocess, median_time, peak_rss_bytes, pyplot, reset_peak_rss, rss_bytes, write_results  # noqa: E402
 
 from ringmoe import flash_attn_func  # noqa: E402
 
@@ -110,9 +110,7 @@ def main():
     summary = summarize(rows)
     for line in summary["lines"]:
         print(line)
-    path = write_results("attention", {"config": dict(B=B, H=H, D=D, dtype="float32"), "rows": rows, "summary": summary})
-    plot(rows, RESULTS / "attention.png")
-    print(f"wrote {path}")
+    write_results("attention", {"config": dict(B=B, H=H, D=D, dtype="float32"), "rows": rows, "summary": summary}, plot, rows)
 
 
 def _get(rows, impl, n, causal, backward, key):

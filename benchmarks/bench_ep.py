@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, pyplot, write_results  # noqa: E402
+from common import pyplot, write_results  # noqa: E402
 
 from ringmoe.moe import MoELayer, plan_replicas  # noqa: E402
 from ringmoe.parallel.launch import spawn  # noqa: E402
@@ -120,11 +120,9 @@ def main():
         summary[f"{routing}/overlap_hidden_fraction_of_exchange"] = hidden
     for key, value in summary.items():
         print(f"{key:45s} {value}")
-    path = write_results("ep", {"config": dict(T_per_rank=T, hidden=HIDDEN, ffn=FFN, experts=E, top_k=K,
+    write_results("ep", {"config": dict(T_per_rank=T, hidden=HIDDEN, ffn=FFN, experts=E, top_k=K,
                                                world_size=WORLD, dtype="float32"),
-                                "rows": rows, "summary": summary})
-    plot(summary, RESULTS / "ep.png")
-    print(f"wrote {path}")
+                                "rows": rows, "summary": summary}, plot, summary)
 
 
 def plot(summary, path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_time, pyplot, write_results  # noqa: E402
+from common import median_time, pyplot, write_results  # noqa: E402
 
 from ringmoe.moe import MoELayer  # noqa: E402
 
@@ -76,10 +76,8 @@ def main():
                       f"x{times['transformers_mixtral'] / seconds:.2f} vs transformers", flush=True)
         print(f"E={num_experts}: max |ringmoe - transformers| = {err:.2e}; dropped at c=1.25: "
               f"{capped.last_stats.dropped_assignments} assignments", flush=True)
-    path = write_results("moe", {"config": dict(T=T, hidden=HIDDEN, ffn=FFN, top_k=TOP_K, dtype="float32"),
-                                 "rows": rows})
-    plot(rows, RESULTS / "moe.png")
-    print(f"wrote {path}")
+    write_results("moe", {"config": dict(T=T, hidden=HIDDEN, ffn=FFN, top_k=TOP_K, dtype="float32"),
+                                 "rows": rows}, plot, rows)
 
 
 def plot(rows, path):

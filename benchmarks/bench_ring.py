@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_time, pyplot, write_results  # noqa: E402
+from common import median_time, pyplot, write_results  # noqa: E402
 
 from ringmoe import flash_attn_func  # noqa: E402
 from ringmoe.parallel import LAYOUTS, RingStats, ring_flash_attn_func, shard  # noqa: E402
@@ -134,10 +134,8 @@ def main():
                 print(f"N={n} {mode:7s} ring {layout:10s}: {row['seconds'] * 1e3:8.1f} ms  "
                       f"imbalance {row['imbalance']:.3f}  exposed comm {row['exposed_comm_fraction']:.1%}  "
                       f"speedup vs 1 process {row['speedup_vs_single']:.2f}x", flush=True)
-    path = write_results("ring", {"config": dict(B=B, H=H, D=D, world_size=WORLD, dtype="float32", causal=True),
-                                  "rows": rows})
-    plot(rows, RESULTS / "ring.png")
-    print(f"wrote {path}")
+    write_results("ring", {"config": dict(B=B, H=H, D=D, world_size=WORLD, dtype="float32", causal=True),
+                                   "rows": rows}, plot, rows)
 
 
 def plot(rows, path):

@@ -74,11 +74,15 @@ def environment() -> dict:
     }
 
 
-def write_results(name: str, payload: dict) -> Path:
+def write_results(name: str, payload: dict, plot=None, plot_data=None) -> Path:
+    """results/<name>.json (with the environment), and results/<name>.png drawn by plot(plot_data, path)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     payload = {"environment": environment(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n")
+    if plot is not None:
+        plot(plot_data, RESULTS / f"{name}.png")
+    print(f"wrote {path}")
     return path
 
 

@@ -73,6 +73,21 @@ def _key_range(start_m, seqlen_q, seqlen_k, offset, left, right,
 
 
 @triton.jit
+def _rows(base, b, head, stride_b, stride_h, stride_s, offs, offs_d):
+    """Pointers (len(offs), BLOCK_D) to rows ``offs`` of (batch b, head) in a (B, S, H, D) tensor."""
+    return base + b * stride_b + head * stride_h + offs[:, None] * stride_s + offs_d[None, :]
+
+
+@triton.jit
+def _query_tile(heads, group, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (batch, head, kv head, first row, rows, head-dim lanes); grid = (query tiles, B * H)."""
+    pid_bh = tl.program_id(1)
+    h = pid_bh % heads
+    start_m = tl.program_id(0) * BLOCK_M
+    return pid_bh // heads, h, h // group, start_m, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at +-inf
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -127,17 +142,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 seqlen_q, seqlen_k, heads, group, offset, left, right, scale, softcap,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    kvh = h // group
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    b, h, kvh, start_m, offs_m, offs_d = _query_tile(heads, group, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d), mask=q_mask, other=0.0)
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
 
@@ -173,7 +181,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(_rows(O, b, h, sob, soh, som, offs_m, offs_d), out.to(O.dtype.element_ty),
              mask=q_mask)
     tl.store(LSE + b * slb + h * slh + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -232,8 +240,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, BLOCK_D)
     offs_mm = tl.arange(0, BLOCK_M)
     kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(_rows(K, b, kvh, skb, skh, skn, cols, offs_d), mask=kv_mask, other=0.0)
+    v = tl.load(_rows(V, b, kvh, svb, svh, svn, cols, offs_d), mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # queries that can see any key of this tile
@@ -250,17 +258,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         for start_m in range(q_lo, q_hi, BLOCK_M):
             offs_m = start_m + offs_mm
             q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=q_mask, other=0.0)
+            q = tl.load(_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d), mask=q_mask, other=0.0)
+            do = tl.load(_rows(DO, b, h, sdb, sdh, sdm, offs_m, offs_d), mask=q_mask, other=0.0)
             lse = tl.load(LSE + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
             delta = tl.load(DELTA + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=0.0)
             p, ds = _ds_tile(q, k, v, do, lse, delta, offs_m, cols, seqlen_k, 0, seqlen_k, offset, left, right,
                              scale, softcap, HAS_LEFT, HAS_RIGHT, SOFTCAP, IEEE)
             dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
-    tl.store(DK + b * sdkb + kvh * sdkh + cols[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(_rows(DK, b, kvh, sdkb, sdkh, sdkn, cols, offs_d), dk.to(DK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(DV + b * sdvb + kvh * sdvh + cols[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(_rows(DV, b, kvh, sdvb, sdvh, sdvn, cols, offs_d), dv.to(DV.dtype.element_ty),
              mask=kv_mask)
 
 
@@ -270,18 +278,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    seqlen_q, seqlen_k, heads, group, offset, left, right, scale, softcap,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    kvh = h // group
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    b, h, kvh, start_m, offs_m, offs_d = _query_tile(heads, group, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d), mask=q_mask, other=0.0)
+    do = tl.load(_rows(DO, b, h, sdb, sdh, sdm, offs_m, offs_d), mask=q_mask, other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=0.0)
     lo, hi, last_m = _key_range(start_m, seqlen_q, seqlen_k, offset, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
@@ -289,12 +290,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(_rows(K, b, kvh, skb, skh, skn, cols, offs_d), mask=kv_mask, other=0.0)
+        v = tl.load(_rows(V, b, kvh, svb, svh, svn, cols, offs_d), mask=kv_mask, other=0.0)
         p, ds = _ds_tile(q, k, v, do, lse, delta, offs_m, cols, seqlen_k, lo, hi, offset, left, right,
                          scale, softcap, HAS_LEFT, HAS_RIGHT, SOFTCAP, IEEE)
         dq += _dot(ds.to(k.dtype), k, IEEE)
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(_rows(DQ, b, h, sdqb, sdqh, sdqm, offs_m, offs_d), dq.to(DQ.dtype.element_ty),
              mask=q_mask)
 
 
