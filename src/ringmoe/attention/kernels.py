@@ -59,27 +59,26 @@ def _reference_backward(dout, q, k, v, out, lse, spec, dlse=None):
 def _triton_unsupported(q, k, spec):
     try:
         from . import triton_flash
-    except ImportError as exc:  # Triton is optional
+    except ImportError as exc:  # Triton is optional: the module is imported only when asked for
         return f"backend='triton' needs Triton installed ({exc})"
     return triton_flash.triton_unsupported(q, k, spec)
 
 
-def _triton_forward(q, k, v, spec):
-    from .triton_flash import triton_forward
+def _from_triton(name: str):
+    """A function of triton_flash, imported on first call."""
 
-    return triton_forward(q, k, v, spec)
+    def call(*args):
+        from . import triton_flash
 
+        return getattr(triton_flash, name)(*args)
 
-def _triton_backward(dout, q, k, v, out, lse, spec, dlse=None):
-    from .triton_flash import triton_backward
-
-    return triton_backward(dout, q, k, v, out, lse, spec, dlse)
+    return call
 
 
 BACKENDS: dict[str, BlockKernel] = {
     "blockwise": BlockKernel("blockwise", blockwise_forward, blockwise_backward, _always),
     "native": BlockKernel("native", native_forward, native_backward, native_unsupported),
-    "triton": BlockKernel("triton", _triton_forward, _triton_backward, _triton_unsupported),
+    "triton": BlockKernel("triton", _from_triton("triton_forward"), _from_triton("triton_backward"), _triton_unsupported),
     "reference": BlockKernel("reference", _reference_forward, _reference_backward, _always),
 }
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-import torch.distributed as dist
-
+from .balance import ReplicaPlan
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
 from .expert_parallel import expert_parallel_forward
-from .balance import ReplicaPlan
 from .experts import SharedExpert, SwiGLUExperts
 from .router import Router, load_balancing_loss, router_z_loss
 
@@ -25,11 +24,11 @@ class MoEStats:
     tokens_per_expert: (E,) int64 assignments kept per expert; routed_per_expert: before capacity.
     dropped_assignments / dropped_tokens: lost to capacity (a dropped token keeps only its residual).
     aux_loss, z_loss: scalar tensors with gradients.  imbalance: max / mean routed load.
-    Expert parallelism adds (else None): tokens_per_rank (P,) assignment rows each rank's
-    experts computed (dropped ones never travel), rank_imbalance (max / mean of those), and seconds spent in
-    route / dispatch / experts / combine on this rank; ``combine_s`` includes the
-    wait for the slowest rank (the straggler); ``dispatch_bytes`` counts rows sent to
-    other ranks.  Under expert parallelism the per-expert
+    Expert parallelism adds (else None): tokens_per_rank (P,) assignments each rank's
+    experts computed (dropped ones never travel), rank_imbalance (max / mean of those),
+    and ``timings``: seconds in route / dispatch / experts / combine on this rank
+    (``combine_s`` includes the wait for the slowest rank, the straggler) and
+    ``dispatch_bytes`` sent to other ranks.  Under expert parallelism the per-expert
     counts are global (summed over ranks) and dropped_* count this rank's tokens.
     """
 
