@@ -1,6 +1,7 @@
 """Sequence (context) parallelism: shard layouts, ring attention, and rank launching."""
 
 from .layout import LAYOUTS, positions, shard, unshard
+from .mesh import Mesh, make_mesh
 from .ring import RingStats, ring_flash_attn_func
 
-__all__ = ["LAYOUTS", "positions", "shard", "unshard", "ring_flash_attn_func", "RingStats"]
+__all__ = ["LAYOUTS", "positions", "shard", "unshard", "ring_flash_attn_func", "RingStats", "Mesh", "make_mesh"]

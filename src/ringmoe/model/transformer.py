@@ -1,0 +1,224 @@
+"""A decoder-only MoE transformer that runs on a context-parallel x expert-parallel mesh.
+
+Each layer: x + Attention(RMSNorm(x)), then h + MoE(RMSNorm(h)), as Mixtral and
+Qwen3-MoE.  Attention is GQA with RoPE; under context parallelism every rank
+holds a shard of each sequence (``parallel.shard`` layout), its RoPE angles
+come from the global positions of that shard, and attention is
+``ring_flash_attn_func`` over the cp group (``flash_attn_func`` when cp = 1).
+The MoE MLP is a ``MoELayer`` over the ep group.
+
+How attention gets its keys is a parameter (``attend``): the full causal ring
+for prefill and training, a sharded KV cache for decoding (``generate.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..attention import flash_attn_func
+from ..moe import MoELayer
+from ..parallel.layout import check_layout, positions as layout_positions
+from ..parallel.mesh import Mesh
+from ..parallel.ring import RingStats, ring_flash_attn_func
+from .config import ModelConfig
+
+__all__ = ["MoETransformer", "RMSNorm", "rope_tables", "apply_rope"]
+
+# attend(layer_index, q, k, v) -> out; q (B, S, heads, D), k/v (B, S, kv_heads, D), out like q
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in at least float32."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (S, head_dim) for integer positions pos (S,).
+
+    Angle of pair i at position p: p * theta^(-2i/head_dim), computed in float32 as
+    transformers does (so logits match its models), then cast to ``dtype``.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim)
+    angles = pos.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, S, heads, D) by position: pairs (x_i, x_{i+D/2}) turn by their angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """GQA self-attention projections; the attention itself is the ``attend`` callable."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, index: int):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(index, q, k, v)
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, ep_group):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.mlp = MoELayer(config.hidden_size, config.ffn_size, config.num_experts, config.top_k,
+                            router="softmax_topk", normalize_topk=config.normalize_topk,
+                            capacity_factor=config.capacity_factor, group=ep_group)
+
+    def forward(self, x, cos, sin, attend: Attend):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, self.index)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MoETransformer(nn.Module):
+    """The model on one rank of a ``Mesh`` (default: one device).
+
+    input_ids (B_local, S_local) int64: this rank's rows of the batch (its ep
+    coordinate's share, ``mesh.batch_rows``) and its shard of each sequence
+    under ``layout`` (``parallel.shard(ids, mesh.cp, mesh.cp_rank, layout)``).
+    forward -> logits (B_local, S_local, vocab) in the parameters' dtype, equal
+    to the single-device model's logits for the same tokens.
+    Parameters are replicated except the experts: each rank holds its ep
+    coordinate's num_experts / ep of them.  After backward, ``reduce_gradients``
+    sums gradients over the mesh so every replica holds the full gradient.
+    """
+
+    def __init__(self, config: ModelConfig, mesh: Mesh | None = None, layout: str = "zigzag", backend: str = "auto"):
+        super().__init__()
+        self.config = config
+        self.mesh = mesh if mesh is not None else Mesh()
+        self.layout, self.backend = layout, backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.mesh.ep_group) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # -- forward -------------------------------------------------------------------------
+    def local_positions(self, local_len: int) -> torch.Tensor:
+        """Global positions (S_local,) of this rank's shard of a sequence."""
+        if self.mesh.cp == 1:
+            return torch.arange(local_len)
+        seqlen = local_len * self.mesh.cp
+        check_layout(seqlen, self.mesh.cp, self.layout)
+        return layout_positions(seqlen, self.mesh.cp, self.mesh.cp_rank, self.layout)
+
+    def causal_attend(self, ring_stats: RingStats | None = None) -> Attend:
+        """Causal self-attention over the whole (sharded) sequence: the ring when cp > 1."""
+        if self.mesh.cp == 1:
+            return lambda index, q, k, v: flash_attn_func(q, k, v, causal=True, backend=self.backend)
+        return lambda index, q, k, v: ring_flash_attn_func(
+            q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout, backend=self.backend, stats=ring_stats
+        )
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      attend: Attend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B_local, S_local, hidden) of this rank's tokens."""
+        self._check_ids(input_ids)
+        if positions is None:
+            positions = self.local_positions(input_ids.shape[1]).to(input_ids.device)
+        if attend is None:
+            attend = self.causal_attend(ring_stats)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attend: Attend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, positions, attend, ring_stats))
+
+    def _check_ids(self, input_ids):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an int64 tensor (batch, local_seqlen), got {got}")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size})")
+
+    # -- parameters ------------------------------------------------------------------------
+    def expert_parameters(self) -> set[str]:
+        return {name for name, _ in self.named_parameters() if ".mlp.experts." in name}
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights that depend only on the seed, not on the mesh.
+
+        Every tensor is drawn in full from one generator in a fixed order (experts
+        as the whole (num_experts, ...) stack); each rank keeps its own experts.
+        Norm weights are 1, everything else N(0, std).
+        """
+        gen = torch.Generator().manual_seed(seed)
+        experts = self.expert_parameters()
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            if name in experts:
+                layer = self.layers[int(name.split(".")[1])]
+                full = torch.randn((self.config.num_experts, *param.shape[1:]), generator=gen) * std
+                param.copy_(full.index_select(0, torch.tensor(layer.mlp.slot_experts)))
+                continue
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Sum each gradient over the ranks that hold a copy of its parameter.
+
+        Replicated parameters saw only this rank's tokens: sum over the whole mesh.
+        Experts already received every token of their ep group through the
+        all-to-all: sum over the cp group only.
+        """
+        if self.mesh.size == 1:
+            return
+        experts = self.expert_parameters()
+        for name, param in self.named_parameters():
+            if param.grad is None:
+                continue
+            if name in experts:
+                if self.mesh.cp_group is not None:
+                    dist.all_reduce(param.grad, group=self.mesh.cp_group)
+            else:
+                dist.all_reduce(param.grad)
+
+    def moe_stats(self) -> list:
+        """The MoEStats of every layer's last forward."""
+        return [layer.mlp.last_stats for layer in self.layers]
