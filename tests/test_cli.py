@@ -1,17 +1,48 @@
-"""`ringmoe demo` end to end at a small size: exit code 0 means every exactness check passed."""
+"""`ringmoe` end to end at small sizes: exit code 0 means every exactness check passed."""
+
+import logging
+
+import pytest
 
 from ringmoe.cli import main
 
 
-def test_demo_runs_and_passes(capsys):
-    assert main(["demo", "--seqlen", "512"]) == 0
+def test_demo_runs_four_ranks_and_passes(capsys):
+    assert main(["demo", "--preset", "tiny", "--seqlen", "256", "--new-tokens", "3"]) == 0
     printed = capsys.readouterr().out
-    assert "exactness check: PASS" in printed and "parallel exactness check: PASS" in printed
+    assert "4 ranks (cp=2 x ep=2, zigzag)" in printed
+    assert "tokens equal" in printed and "PASS" in printed
+    assert "dropped tokens: 0" in printed
 
 
-def test_help_documents_the_demo(capsys):
-    import pytest
+def test_demo_loads_a_checkpoint_with_capacity_and_reports_drops(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=24, initializer_range=0.3)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)
+    assert main(["demo", "--checkpoint", str(tmp_path), "--cp", "1", "--ep", "2", "--seqlen", "60",
+                 "--new-tokens", "2", "--capacity-factor", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    dropped = int(printed.split("dropped tokens: ")[1].split()[0])
+    assert dropped > 0  # capacity 0.5 must drop, and the single process drops the same tokens
 
+
+def test_demo_rejects_bad_options_before_starting_ranks(capsys):
     with pytest.raises(SystemExit):
-        main(["--help"])
-    assert "demo" in capsys.readouterr().out
+        main(["demo", "--seqlen", "255"])
+    assert "seqlen 255 must be divisible" in capsys.readouterr().err
+
+
+def test_attention_showcase_passes(capsys):
+    assert main(["attention", "--seqlen", "300"]) == 0
+    assert "exactness check: PASS" in capsys.readouterr().out
+
+
+def test_help_documents_every_demo_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--checkpoint", "--cp", "--ep", "--seqlen", "--layout", "--launcher", "--preset"):
+        assert option in text

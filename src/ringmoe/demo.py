@@ -1,0 +1,282 @@
+"""The main job: a long prompt through the MoE transformer on a cp x ep mesh, checked against one process.
+
+``run_demo(options)`` spawns cp * ep local gloo ranks (or, under torchrun, is
+one of them), prefills ``batch`` prompts of ``seqlen`` tokens context-parallel,
+decodes ``new_tokens`` greedily with the sharded KV cache, and compares tokens
+and logits with a single-process run of the same weights.  Each rank reports
+its timings, peak memory, ring attention statistics and MoE routing counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DemoOptions", "run_demo", "attention_showcase"]
+
+
+@dataclass
+class DemoOptions:
+    preset: str = "small"
+    checkpoint: str | None = None
+    cp: int = 2
+    ep: int = 2
+    seqlen: int = 4096
+    batch: int | None = None  # default: ep (one sequence per expert-parallel coordinate)
+    new_tokens: int = 8
+    layout: str = "zigzag"
+    capacity_factor: float | None = None
+    seed: int = 0
+    check: bool = True
+
+    @property
+    def rows(self) -> int:
+        return self.batch if self.batch is not None else self.ep
+
+
+def _config(options: DemoOptions):
+    from .model import load_config, preset
+
+    config = load_config(options.checkpoint) if options.checkpoint else preset(options.preset)
+    return config.replace(capacity_factor=options.capacity_factor)
+
+
+def validate(options: DemoOptions) -> None:
+    """Every option error, before any process starts."""
+    from .parallel.layout import check_layout
+
+    for name in ("cp", "ep", "seqlen", "new_tokens"):
+        value = getattr(options, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+    if options.cp > 1:
+        check_layout(options.seqlen, options.cp, options.layout)
+    if options.rows % options.ep:
+        raise ValueError(f"--batch ({options.rows}) must be divisible by --ep ({options.ep})")
+    config = _config(options)
+    if config.num_experts % options.ep:
+        raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
+
+
+def _prompt(options: DemoOptions, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (options.rows, options.seqlen), generator=torch.Generator().manual_seed(options.seed))
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _build(options: DemoOptions, mesh, device):
+    from .model import MoETransformer, load_checkpoint
+
+    if options.checkpoint:
+        return load_checkpoint(options.checkpoint, mesh, options.layout, capacity_factor=options.capacity_factor).to(device)
+    model = MoETransformer(_config(options), mesh, options.layout)
+    model.init_weights(options.seed)
+    return model.to(device)
+
+
+def demo_rank(rank: int, world: int, options: DemoOptions, progress=None) -> dict:
+    """One rank of the demo (the process group is up, world = cp * ep); returns its report."""
+    from .model import generate
+    from .parallel import make_mesh
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mesh = make_mesh(options.cp, options.ep, device.type)
+    model = _build(options, mesh, device)
+    prompt = _prompt(options, model.config.vocab_size).to(device)
+    report = (lambda phase, done, total: progress.put((phase, done, total))) if progress is not None and rank == 0 else None
+    out = generate(model, prompt, options.new_tokens, return_logits=True, progress=report)  # collective: all ranks
+    ring = out.ring.totals("forward")
+    per_expert = sum(s.tokens_per_expert for s in out.moe)
+    return {
+        "rank": rank, "cp_rank": mesh.cp_rank, "ep_rank": mesh.ep_rank,
+        "prefill_s": out.prefill_s, "decode_s": out.decode_s, "peak_rss_mib": _peak_rss_mib(),
+        "attention_compute_s": ring["compute_s"], "exposed_comm": ring["exposed_comm_fraction"],
+        "ring_bytes": ring["bytes_sent"],
+        "tokens_per_expert": per_expert.tolist(),
+        "expert_rows_computed": sum(int(s.tokens_per_rank[mesh.ep_rank]) for s in out.moe) if options.ep > 1
+        else int(per_expert.sum()),
+        "dropped_tokens": sum(s.dropped_tokens for s in out.moe),
+        "tokens": out.tokens.tolist(),
+        "logits": out.logits.tolist() if rank == 0 else None,
+    }
+
+
+def _reference_rank(rank: int, world: int, options: DemoOptions, progress=None) -> dict:
+    """The same job on one process (no mesh): the exactness baseline."""
+    single = dataclasses.replace(options, cp=1, ep=1, batch=options.rows)
+    result = demo_rank(rank, world, single, progress)
+    return {key: result[key] for key in ("prefill_s", "decode_s", "peak_rss_mib", "tokens", "logits")}
+
+
+def _with_progress(console, title: str, fn, world: int, options: DemoOptions, threads: int) -> list[dict]:
+    """spawn(fn, world, ...) while a rich progress bar follows rank 0's prefill layers and decode steps."""
+    import multiprocessing as mp
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .parallel.launch import spawn
+
+    updates = mp.get_context("fork").Queue()
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = spawn(fn, world, options, updates, threads_per_rank=threads, timeout=3600)
+        except BaseException as error:  # re-raised in the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=target)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        tasks = {"prefill": bar.add_task(f"{title}: prefill layers", total=None),
+                 "decode": bar.add_task(f"{title}: decode tokens", total=None)}
+        worker.start()
+        while worker.is_alive():
+            try:
+                phase, done, total = updates.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            bar.update(tasks[phase], completed=done, total=total)
+        worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _compare(ranks: list[dict], reference: dict) -> tuple[bool, float]:
+    tokens_ok = all(r["tokens"] == reference["tokens"] for r in ranks)
+    err = (torch.tensor(ranks[0]["logits"]) - torch.tensor(reference["logits"])).abs().max().item()
+    return tokens_ok and err < 1e-3, err
+
+
+def print_report(console, options: DemoOptions, config, ranks: list[dict], reference: dict | None) -> bool:
+    from rich.table import Table
+
+    console.width = max(console.width, 110)  # the table's columns, unwrapped
+
+    world = options.cp * options.ep
+    prompt_tokens = options.rows * options.seqlen
+    table = Table(title=f"{world} ranks (cp={options.cp} x ep={options.ep}, {options.layout}), "
+                        f"{options.rows} x {options.seqlen} prompt tokens, {options.new_tokens} new tokens each")
+    for col in ("rank", "cp,ep", "prefill s", "decode s", "RSS MiB", "attn s", "exposed", "expert rows", "dropped"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        table.add_row(str(r["rank"]), f"{r['cp_rank']},{r['ep_rank']}", f"{r['prefill_s']:.2f}",
+                      f"{r['decode_s']:.2f}", f"{r['peak_rss_mib']:.0f}", f"{r['attention_compute_s']:.2f}",
+                      f"{r['exposed_comm']:.1%}", str(r["expert_rows_computed"]), str(r["dropped_tokens"]))
+    console.print(table)
+    prefill = max(r["prefill_s"] for r in ranks)
+    decode = max(r["decode_s"] for r in ranks)
+    decoded = options.rows * (options.new_tokens - 1)
+    attention = [r["attention_compute_s"] for r in ranks]
+    per_expert = torch.tensor([r["tokens_per_expert"] for r in ranks if r["ep_rank"] == 0]).sum(0)
+    lines = [
+        f"model: {config.arch}, {config.num_layers} layers, hidden {config.hidden_size}, {config.num_experts} experts "
+        f"top-{config.top_k}, {config.num_params / 1e6:.1f}M parameters",
+        f"prefill: {prefill:.2f} s, {prompt_tokens / prefill:,.0f} tokens/s; decode: {decode:.2f} s, "
+        f"{decoded / decode:,.1f} tokens/s" if decode > 0 else f"prefill: {prefill:.2f} s",
+        f"attention work imbalance over ranks (max/mean compute): {max(attention) / (sum(attention) / world):.3f}"
+        if options.cp > 1 else "attention: one cp rank (no ring)",
+        f"exposed ring communication: {max(r['exposed_comm'] for r in ranks):.1%} (worst rank)",
+        f"tokens per expert (prefill, all layers): {per_expert.tolist()}, max/mean "
+        f"{(per_expert.max() / per_expert.float().mean()).item():.2f}",
+        f"dropped tokens: {sum(r['dropped_tokens'] for r in ranks)}",
+    ]
+    ok = True
+    if reference is not None:
+        ok, err = _compare(ranks, reference)
+        lines.append(f"single process: prefill {reference['prefill_s']:.2f} s, decode {reference['decode_s']:.2f} s, "
+                     f"peak RSS {reference['peak_rss_mib']:.0f} MiB")
+        lines.append(f"exactness vs single process: tokens {'equal' if all(r['tokens'] == reference['tokens'] for r in ranks) else 'DIFFER'}, "
+                     f"max |logit diff| {err:.1e}: {'[green]PASS' if ok else '[red]FAIL'}")
+    else:
+        lines.append("exactness check skipped (--no-check, or torchrun: run locally with --check to compare)")
+    for line in lines:
+        console.print(line)
+    return ok
+
+
+def run_demo(options: DemoOptions, threads_per_rank: int = 1) -> bool:
+    """Spawn the mesh locally, run the single-process check, print the report; True when exact."""
+    from rich.console import Console
+
+    validate(options)
+    console = Console()
+    config = _config(options)
+    world = options.cp * options.ep
+    reference = None
+    if options.check:
+        reference = _with_progress(console, "single process", _reference_rank, 1, options,
+                                   threads=max(1, torch.get_num_threads()))[0]
+    ranks = _with_progress(console, f"{world} ranks", demo_rank, world, options, threads=threads_per_rank)
+    return print_report(console, options, config, ranks, reference)
+
+
+def run_demo_torchrun(options: DemoOptions) -> bool:
+    """This process is one rank under torchrun (NCCL on GPUs); rank 0 prints the report."""
+    from rich.console import Console
+
+    from .parallel.launch import init_from_env
+
+    validate(options)
+    rank, world = init_from_env()
+    if world != options.cp * options.ep:
+        raise ValueError(f"torchrun started {world} processes; --cp x --ep is {options.cp * options.ep}")
+    try:
+        result = demo_rank(rank, world, options)
+        results = [None] * world if rank == 0 else None
+        dist.gather_object(result, results, dst=0)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return True
+    return print_report(Console(), options, _config(options), results, None)
+
+
+def attention_showcase(seqlen: int, seed: int) -> bool:
+    """Exactness and speed of flash_attn_func against the float64 oracle and torch SDPA."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import flash_attn_func
+    from .attention import AttentionSpec, attention_reference
+
+    console = Console()
+    gen = torch.Generator().manual_seed(seed)
+    b, n, h, hkv, d = 1, seqlen, 8, 2, 64
+    q = torch.randn(b, n, h, d, generator=gen)
+    k = torch.randn(b, n, hkv, d, generator=gen)
+    v = torch.randn(b, n, hkv, d, generator=gen)
+    ref_out, ref_lse = attention_reference(q, k, v, AttentionSpec(d**-0.5, causal=True))
+    table = Table(title=f"FlashAttention, causal GQA {h}/{hkv} heads, N={n}, D={d}, fp32, {torch.get_num_threads()} threads")
+    for col in ("backend", "max |out - fp64|", "max |lse - fp64|", "ms"):
+        table.add_column(col, justify="right")
+    ok = True
+    for backend in ("blockwise", "native", "auto"):
+        flash_attn_func(q, k, v, causal=True, backend=backend)  # warm-up
+        start = time.perf_counter()
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend=backend)
+        ms = (time.perf_counter() - start) * 1e3
+        err_out = (out.double() - ref_out).abs().max().item()
+        err_lse = (lse.double() - ref_lse).abs().max().item()
+        ok &= err_out < 1e-4 and err_lse < 1e-4
+        table.add_row(backend, f"{err_out:.2e}", f"{err_lse:.2e}", f"{ms:.1f}")
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)))
+    start = time.perf_counter()
+    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    table.add_row("torch SDPA (peer)", "-", "-", f"{(time.perf_counter() - start) * 1e3:.1f}")
+    console.print(table)
+    console.print(f"exactness check: {'[green]PASS' if ok else '[red]FAIL'}")
+    return ok
