@@ -1,0 +1,142 @@
+"""Calibration: fit a Hardware profile to timings measured on this machine.
+
+Each resource is a line, time = fixed cost + amount / rate, fitted by least
+squares over a few sizes: GEMMs (FLOPs), the attention kernel (FLOPs over
+visible pairs), a memory copy (bytes), and a ping-pong between two local gloo
+ranks (bytes one way = round trip / 2).  ``synthetic_measurements`` produces
+the timings a given profile implies, so fitting them must give the profile back.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .hardware import Hardware
+
+__all__ = ["Measurements", "fit_line", "profile_from_measurements", "synthetic_measurements", "measure",
+           "calibrate_this_machine"]
+
+
+@dataclass
+class Measurements:
+    """(amount, seconds) pairs: FLOPs for matmul/attention, bytes for copy and link (one way)."""
+
+    matmul: list = field(default_factory=list)
+    attention: list = field(default_factory=list)
+    copy: list = field(default_factory=list)
+    link: list = field(default_factory=list)
+    call: float = 0.0  # seconds of a 16 x 16 matmul: the fixed cost of one kernel call
+
+
+def fit_line(points) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of seconds against amount."""
+    xs, ys = zip(*points)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        raise ValueError("calibration needs at least two different sizes")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return slope, my - slope * mx
+
+
+def profile_from_measurements(m: Measurements, name: str = "this-machine") -> Hardware:
+    """One machine: every 'device' (rank) shares the node, so intra- and inter-node links are the same."""
+    mm_slope, _ = fit_line(m.matmul)
+    at_slope, _ = fit_line(m.attention)
+    copy_slope, _ = fit_line(m.copy)
+    link_slope, link_fixed = fit_line(m.link)
+    return Hardware(
+        name=name, matmul_flops=1 / mm_slope, attention_flops=1 / at_slope, memory_bandwidth=1 / copy_slope,
+        intra_bandwidth=1 / link_slope, intra_latency=max(link_fixed, 0.0),
+        inter_bandwidth=1 / link_slope, inter_latency=max(link_fixed, 0.0),
+        devices_per_node=1 << 20, memory_bytes=0.0, kernel_overhead=max(m.call - 2 * 16**3 * mm_slope, 0.0),
+    )
+
+
+def synthetic_measurements(hw: Hardware) -> Measurements:
+    """The timings ``hw`` predicts for the sizes ``measure`` uses."""
+    m = Measurements(call=hw.kernel_overhead + 2 * 16**3 / hw.matmul_flops)
+    for n in (512, 1024, 2048):
+        flops = 2 * n**3
+        m.matmul.append((flops, hw.kernel_overhead + flops / hw.matmul_flops))
+    for n in (1024, 2048, 4096):
+        flops = 4 * 64 * 8 * n * n
+        m.attention.append((flops, hw.kernel_overhead + flops / hw.attention_flops))
+    for mib in (64, 128, 256):
+        nbytes = 2 * mib * 2**20
+        m.copy.append((nbytes, nbytes / hw.memory_bandwidth))
+    for nbytes in (2**16, 2**20, 2**22, 2**24):
+        m.link.append((nbytes, hw.intra_latency + nbytes / hw.intra_bandwidth))
+    return m
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ping_pong(rank: int, world: int, sizes: list[int], repeats: int) -> list:
+    """Round trips of each size between ranks 0 and 1; one-way seconds = round trip / 2."""
+    results = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+        samples = []
+        for _ in range(repeats + 1):
+            dist.barrier()  # ranks beyond 0 and 1 only keep the barrier
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            samples.append((time.perf_counter() - start) / 2)
+        results.append((nbytes, statistics.median(samples[1:])))
+    return results
+
+
+def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
+    """Every rank times the same kernels at once (as in a parallel run, where ranks share the machine)."""
+    from ..attention import flash_attn_func
+
+    def timed(fn):
+        dist.barrier()
+        return _median_seconds(fn, repeats)
+
+    m = Measurements()
+    small = torch.randn(16, 16)
+    m.call = timed(lambda: small @ small)
+    for n in (512, 1024, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        m.matmul.append((2 * n**3, timed(lambda: a @ b)))
+    for n in (1024, 2048, 4096):
+        q, k, v = (torch.randn(1, n, 8, 64) for _ in range(3))
+        m.attention.append((4 * 64 * 8 * n * n, timed(lambda: flash_attn_func(q, k, v))))
+    for mib in (64, 128, 256):
+        src = torch.ones(mib * 2**18)
+        dst = torch.empty_like(src)
+        m.copy.append((2 * mib * 2**20, timed(lambda: dst.copy_(src))))
+    m.link = _ping_pong(rank, world, [2**16, 2**20, 2**22, 2**24], repeats)
+    return m
+
+
+def measure(ranks: int = 2, threads: int = 1, repeats: int = 5) -> Measurements:
+    """Time this machine as ``ranks`` local gloo ranks with ``threads`` intra-op threads each
+    (the benchmarks' setting: 2 ranks x 1 thread on 2 cores); rank 0's timings."""
+    from ..parallel.launch import spawn
+
+    return spawn(_measure_rank, ranks, repeats, threads_per_rank=threads, timeout=600)[0]
+
+
+def calibrate_this_machine(ranks: int = 2, threads: int = 1, repeats: int = 5) -> Hardware:
+    return profile_from_measurements(measure(ranks, threads, repeats))
