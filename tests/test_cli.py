@@ -46,3 +46,24 @@ def test_help_documents_every_demo_option(capsys):
     text = capsys.readouterr().out
     for option in ("--checkpoint", "--cp", "--ep", "--seqlen", "--layout", "--launcher", "--preset"):
         assert option in text
+
+
+def test_simulate_prints_the_table_and_draws(tmp_path, capsys):
+    png = tmp_path / "sim.png"
+    assert main(["simulate", "--preset", "qwen3-30b-a3b", "--cp", "8", "--ep", "8", "--seqlen", "1048576",
+                 "--hw", "h100", "--png", str(png)]) == 0
+    printed = capsys.readouterr().out
+    for row in ("prefill (all layers)", "K/V bytes per ring step", "tokens per rank for full overlap",
+                "dispatch / combine bytes per rank", "straggler", "memory per rank"):
+        assert row in printed
+    assert png.stat().st_size > 10_000
+
+
+def test_simulate_with_a_calibrated_profile_of_this_machine(tmp_path, capsys):
+    profile = tmp_path / "hw.json"
+    assert main(["simulate", "--calibrate", str(profile)]) == 0
+    assert main(["simulate", "--preset", "small", "--cp", "2", "--ep", "2", "--seqlen", "4096",
+                 "--hw", str(profile)]) == 0
+    assert "this-machine" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["simulate", "--hw", "tpu-v9"])

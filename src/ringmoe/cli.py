@@ -41,6 +41,69 @@ def _add_demo(sub) -> None:
                            "job (NCCL on GPUs), world size must be cp x ep")
 
 
+def _add_simulate(sub) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="predict prefill time, communication, imbalance and memory at cluster scale (cost model)",
+        description="Schedules one layer's ring attention and expert-parallel exchanges as events on compute and "
+                    "link queues of every rank, for a model preset and a hardware profile.",
+    )
+    sim.add_argument("--preset", default="mixtral-8x7b", help="model preset (default mixtral-8x7b)")
+    sim.add_argument("--checkpoint", metavar="DIR", help="take the model shape from a checkpoint's config.json")
+    sim.add_argument("--cp", type=_positive, default=8, help="context-parallel degree (default 8)")
+    sim.add_argument("--ep", type=_positive, default=8, help="expert-parallel degree (default 8)")
+    sim.add_argument("--seqlen", type=_positive, default=131072, help="tokens per sequence (default 131072)")
+    sim.add_argument("--batch", type=_positive, default=None, help="sequences (default: ep)")
+    sim.add_argument("--layout", default="zigzag", choices=["zigzag", "striped", "contiguous"], help="shard layout")
+    sim.add_argument("--hw", default="h100", help="hardware profile: h100, h200, h800, or a JSON file from --calibrate")
+    sim.add_argument("--skew", type=float, default=1.0, help="expert load max/mean over ep ranks (default 1)")
+    sim.add_argument("--chunks", type=_positive, default=1, help="EP micro-batches overlapping exchange and compute")
+    sim.add_argument("--bytes", type=_positive, default=2, help="bytes per element (default 2: bf16)")
+    sim.add_argument("--png", metavar="FILE", help="also draw time vs cp and exposed communication vs tokens per rank")
+    sim.add_argument("--calibrate", metavar="FILE", help="measure this machine (2 gloo ranks x 1 thread), write the "
+                     "profile to FILE and exit; use it with --hw FILE")
+
+
+def _simulate(parser, args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .sim import Scenario, calibrate_this_machine, hardware_profile, simulate
+    from .sim.report import plot, summary_rows, sweep_cp, sweep_tokens
+
+    console = Console()
+    if args.calibrate:
+        hw = calibrate_this_machine()
+        hw.save(args.calibrate)
+        console.print(f"wrote {args.calibrate}: {hw}")
+        return 0
+    try:
+        if args.checkpoint:
+            from .model import load_config
+
+            config = load_config(args.checkpoint)
+        else:
+            from .model import preset
+
+            config = preset(args.preset)
+        scenario = Scenario(config, hardware_profile(args.hw), args.seqlen, args.cp, args.ep, args.batch, args.layout,
+                            skew=args.skew, chunks=args.chunks, element_bytes=args.bytes)
+        prediction = simulate(scenario)
+    except ValueError as error:
+        parser.error(str(error))
+    table = Table(title=f"ringmoe simulate: {args.checkpoint or args.preset}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in summary_rows(prediction):
+        table.add_row(key, value)
+    console.width = max(console.width, 120)
+    console.print(table)
+    if args.png:
+        plot(sweep_cp(scenario, args.cp), sweep_tokens(scenario), args.png)
+        console.print(f"wrote {args.png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ringmoe",
@@ -52,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     attention = sub.add_parser("attention", help="FlashAttention backends vs the float64 oracle and torch SDPA")
     attention.add_argument("--seqlen", type=_positive, default=4096, help="tokens (default 4096)")
     attention.add_argument("--seed", type=int, default=0, help="random seed")
+    _add_simulate(sub)
     args = parser.parse_args(argv)
+
+    if args.command == "simulate":
+        return _simulate(parser, args)
 
     if args.command == "attention":
         from .demo import attention_showcase

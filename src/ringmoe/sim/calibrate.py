@@ -30,6 +30,7 @@ class Measurements:
     attention: list = field(default_factory=list)
     copy: list = field(default_factory=list)
     link: list = field(default_factory=list)
+    causal: list = field(default_factory=list)  # (visible-pair FLOPs, seconds) of causal attention
     call: float = 0.0  # seconds of a 16 x 16 matmul: the fixed cost of one kernel call
 
 
@@ -48,6 +49,7 @@ def profile_from_measurements(m: Measurements, name: str = "this-machine") -> Ha
     """One machine: every 'device' (rank) shares the node, so intra- and inter-node links are the same."""
     mm_slope, _ = fit_line(m.matmul)
     at_slope, _ = fit_line(m.attention)
+    causal_slope, _ = fit_line(m.causal)
     copy_slope, _ = fit_line(m.copy)
     link_slope, link_fixed = fit_line(m.link)
     return Hardware(
@@ -55,18 +57,21 @@ def profile_from_measurements(m: Measurements, name: str = "this-machine") -> Ha
         intra_bandwidth=1 / link_slope, intra_latency=max(link_fixed, 0.0),
         inter_bandwidth=1 / link_slope, inter_latency=max(link_fixed, 0.0),
         devices_per_node=1 << 20, memory_bytes=0.0, kernel_overhead=max(m.call - 2 * 16**3 * mm_slope, 0.0),
+        causal_efficiency=at_slope / causal_slope,
     )
 
 
 def synthetic_measurements(hw: Hardware) -> Measurements:
     """The timings ``hw`` predicts for the sizes ``measure`` uses."""
     m = Measurements(call=hw.kernel_overhead + 2 * 16**3 / hw.matmul_flops)
-    for n in (512, 1024, 2048):
-        flops = 2 * n**3
+    for n in (1024, 2048, 4096):
+        flops = 2 * n * 512 * 2048
         m.matmul.append((flops, hw.kernel_overhead + flops / hw.matmul_flops))
     for n in (1024, 2048, 4096):
         flops = 4 * 64 * 8 * n * n
         m.attention.append((flops, hw.kernel_overhead + flops / hw.attention_flops))
+        visible = 4 * 64 * 8 * n * (n + 1) // 2
+        m.causal.append((visible, hw.kernel_overhead + visible / (hw.attention_flops * hw.causal_efficiency)))
     for mib in (64, 128, 256):
         nbytes = 2 * mib * 2**20
         m.copy.append((nbytes, nbytes / hw.memory_bandwidth))
@@ -116,12 +121,13 @@ def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
     m = Measurements()
     small = torch.randn(16, 16)
     m.call = timed(lambda: small @ small)
-    for n in (512, 1024, 2048):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        m.matmul.append((2 * n**3, timed(lambda: a @ b)))
+    for n in (1024, 2048, 4096):  # the GEMM shapes of projections and experts: tokens x hidden x ffn
+        a, b = torch.randn(n, 512), torch.randn(512, 2048)
+        m.matmul.append((2 * n * 512 * 2048, timed(lambda: a @ b)))
     for n in (1024, 2048, 4096):
         q, k, v = (torch.randn(1, n, 8, 64) for _ in range(3))
         m.attention.append((4 * 64 * 8 * n * n, timed(lambda: flash_attn_func(q, k, v))))
+        m.causal.append((4 * 64 * 8 * n * (n + 1) // 2, timed(lambda: flash_attn_func(q, k, v, causal=True))))
     for mib in (64, 128, 256):
         src = torch.ones(mib * 2**18)
         dst = torch.empty_like(src)

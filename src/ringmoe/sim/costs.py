@@ -35,11 +35,14 @@ def sum_range(a: int, b: int) -> int:
     return (b - a) * (a + b - 1) // 2 if b > a else 0
 
 
-def ring_step_pairs(seqlen: int, cp: int, rank: int, step: int, layout: str, causal: bool = True) -> tuple[int, int]:
-    """(visible pairs, kernel calls) of ``rank`` at ring step ``step`` (block of rank - step), per sequence and head."""
+def ring_step_pairs(seqlen: int, cp: int, rank: int, step: int, layout: str, causal: bool = True) -> tuple[int, int, int]:
+    """(visible pairs in unmasked calls, visible pairs in masked calls, kernel calls) of ``rank`` at
+    ring step ``step`` (the block of rank - step), per sequence and head."""
     local = seqlen // cp
     tasks = plan_block(segments(local, cp, rank, layout), segments(local, cp, (rank - step) % cp, layout), causal)
-    return sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, t.offset) for t in tasks), len(tasks)
+    full = sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, None) for t in tasks if t.offset is None)
+    masked = sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, t.offset) for t in tasks if t.offset is not None)
+    return full, masked, len(tasks)
 
 
 def kv_block_bytes(config: ModelConfig, batch: int, local_tokens: int, element_bytes: int) -> int:

@@ -31,6 +31,7 @@ class Hardware:
     devices_per_node: int = 8
     memory_bytes: float = 80e9
     kernel_overhead: float = 5e-6  # fixed cost of one kernel call
+    causal_efficiency: float = 1.0  # per-pair rate of masked (diagonal) blocks / attention_flops
 
     def link(self, same_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) between two devices."""
@@ -56,6 +57,7 @@ _H100 = dict(
     # NVLink 4: 450 GB/s per direction, ~80% reached by NCCL; ConnectX-7 400 Gb/s = 50 GB/s per GPU, ~90% reached
     intra_bandwidth=360e9, intra_latency=5e-6, inter_bandwidth=45e9, inter_latency=10e-6,
     devices_per_node=8, memory_bytes=80e9,
+    causal_efficiency=0.9,  # masked diagonal tiles are partly wasted
 )
 
 PROFILES: dict[str, Hardware] = {

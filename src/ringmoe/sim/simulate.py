@@ -137,11 +137,12 @@ def simulate(s: Scenario) -> Prediction:
                             hw.transfer_time(kv_bytes, same_node(src, dst)),
                             after=(arrived[src], previous_compute[dst]), nbytes=kv_bytes)
             for cp_rank in range(s.cp):
-                pairs, calls = ring_step_pairs(s.seqlen, s.cp, cp_rank, step, s.layout, s.causal)
-                flops = 4 * c.head_dim * c.num_heads * batch_local * pairs
+                full, masked, calls = ring_step_pairs(s.seqlen, s.cp, cp_rank, step, s.layout, s.causal)
+                per_pair = 4 * c.head_dim * c.num_heads * batch_local
+                seconds = per_pair * (full + masked / hw.causal_efficiency) / hw.attention_flops
                 for ep_rank in range(s.ep):
                     r = rank_of(cp_rank, ep_rank)
-                    duration = calls * hw.kernel_overhead + flops / hw.attention_flops + (merge_s if step else 0.0)
+                    duration = calls * hw.kernel_overhead + seconds + (merge_s if step else 0.0)
                     task = t.add(f"attn{step}:{r}", "compute", r, (compute(r),), duration, after=(arrived[r],))
                     attn_steps.setdefault(r, []).append(task)
                     previous_compute[r] = task
@@ -168,6 +169,8 @@ def simulate(s: Scenario) -> Prediction:
         row_bytes = c.hidden_size * dispatch_element
         back_bytes = c.hidden_size * s.element_bytes
         flops_per_assignment = expert_flops_per_assignment(c)
+        # memory-bound work per assignment: gather the row in, SwiGLU (read 2F, write F), scatter and weight the result
+        bytes_per_assignment = (4 * c.hidden_size + 3 * c.ffn_size) * s.element_bytes
         for cp_rank in range(s.cp):
             group = [rank_of(cp_rank, e) for e in range(s.ep)]
             rows = [rows_to_rank(tokens / s.chunks, c.num_experts, c.top_k, share) for share in shares]
@@ -193,7 +196,8 @@ def simulate(s: Scenario) -> Prediction:
             for chunk in range(s.chunks):
                 upcoming = dispatch(chunk + 1) if chunk + 1 < s.chunks else None
                 for j, owner in enumerate(group):
-                    duration = local_experts * hw.kernel_overhead + work[j] * flops_per_assignment / hw.matmul_flops
+                    duration = (local_experts * hw.kernel_overhead + work[j] * flops_per_assignment / hw.matmul_flops
+                                + work[j] * bytes_per_assignment / hw.memory_bandwidth)
                     task = t.add(f"experts{chunk}:{owner}", "compute", owner, (compute(owner),), duration,
                                  after=(router[owner], *pending[owner]))
                     expert_tasks[owner].append(task)
