@@ -110,3 +110,23 @@ def test_dense_and_varlen_agree_on_equal_lengths():
     cu = torch.arange(0, 61, 20, dtype=torch.int32)
     packed = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 20, 20, causal=True)
     assert max_err(packed.view_as(dense), dense) < 1e-6
+
+
+@pytest.mark.parametrize("heads,kv_heads,seqlen_q,seqlen_k", [(8, 2, 1, 37), (4, 4, 3, 1), (6, 1, 2, 203), (4, 2, 1, 0)])
+def test_decode_attention_matches_reference_without_copying_kv(heads, kv_heads, seqlen_q, seqlen_k):
+    from ringmoe.attention import AttentionSpec, attention_reference, decode_attention
+
+    gen = torch.Generator().manual_seed(seqlen_k + heads)
+    q = torch.randn(2, seqlen_q, heads, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, seqlen_k, kv_heads, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, seqlen_k, kv_heads, 16, generator=gen, dtype=torch.float64)
+    out, lse = decode_attention(q, k, v, softmax_scale=0.3)
+    if seqlen_k == 0:  # an empty cache shard: out 0, lse -inf, as flash-attn's empty rows
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        return
+    want_out, want_lse = attention_reference(q, k, v, AttentionSpec(0.3))
+    assert torch.allclose(out, want_out, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert torch.allclose(lse[~torch.isinf(lse)], want_lse[~torch.isinf(want_lse)], atol=1e-12)
+    assert not torch.isnan(out).any()
+    out32, _ = decode_attention(q.float(), k.float(), v.float(), softmax_scale=0.3)
+    assert out32.dtype == torch.float32 and torch.allclose(out32.double(), want_out, atol=1e-5)

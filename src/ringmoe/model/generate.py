@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..attention import flash_attn_func, merge_attention
+from ..attention import decode_attention, merge_attention
 from ..parallel.layout import shard
 from ..parallel.ring import RingStats
 from .transformer import MoETransformer
@@ -144,7 +144,7 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
         def decode_attend(index, q, k, v):
             if owner == mesh.cp_rank:
                 cache.append(index, k, v)
-            out, lse = flash_attn_func(q, *cache.get(index), return_lse=True, backend=model.backend)
+            out, lse = decode_attention(q, *cache.get(index))
             if mesh.cp_group is not None:
                 out = _merge_across(mesh.cp_group, out, lse)
             return out.to(q.dtype)
