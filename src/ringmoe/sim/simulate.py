@@ -178,7 +178,7 @@ def simulate(s: Scenario) -> Prediction:
 
             def dispatch(chunk):
                 arrivals = {d: [] for d in group}
-                for i, src in enumerate(group):
+                for src in group:
                     for j, dst in enumerate(group):
                         if src == dst:
                             continue
@@ -201,7 +201,7 @@ def simulate(s: Scenario) -> Prediction:
                     task = t.add(f"experts{chunk}:{owner}", "compute", owner, (compute(owner),), duration,
                                  after=(router[owner], *pending[owner]))
                     expert_tasks[owner].append(task)
-                    for i, dst in enumerate(group):
+                    for dst in group:
                         if dst == owner:
                             finished[dst].append(task)
                             continue
