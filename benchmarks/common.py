@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from ringmoe.sim.calibrate import median_seconds as median_time  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -19,18 +20,6 @@ def rss_bytes() -> int:
     """Resident set size of this process, from /proc (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
-
-
-def median_time(fn, repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def reset_peak_rss() -> None:

@@ -62,20 +62,20 @@ class ModelConfig:
         return {"attention": attention, "router": h * self.num_experts, "expert": 3 * h * self.ffn_size,
                 "norms": 2 * h}
 
+    def _params(self, experts_per_layer: int) -> int:
+        layer = self.params_per_layer
+        per_layer = layer["attention"] + layer["router"] + layer["norms"] + experts_per_layer * layer["expert"]
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + self.hidden_size  # + the final norm
+
     @property
     def num_params(self) -> int:
-        layer = self.params_per_layer
-        per_layer = layer["attention"] + layer["router"] + layer["norms"] + self.num_experts * layer["expert"]
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
+        return self._params(self.num_experts)
 
     @property
     def active_params(self) -> int:
         """Parameters one token touches (top_k experts per layer)."""
-        layer = self.params_per_layer
-        per_layer = layer["attention"] + layer["router"] + layer["norms"] + self.top_k * layer["expert"]
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
+        return self._params(self.top_k)
 
 
 PRESETS: dict[str, ModelConfig] = {

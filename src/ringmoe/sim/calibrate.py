@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .hardware import Hardware
 
-__all__ = ["Measurements", "fit_line", "profile_from_measurements", "synthetic_measurements", "measure",
+__all__ = ["median_seconds", "Measurements", "fit_line", "profile_from_measurements", "synthetic_measurements", "measure",
            "calibrate_this_machine"]
 
 
@@ -80,8 +80,10 @@ def synthetic_measurements(hw: Hardware) -> Measurements:
     return m
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
-    fn()
+def median_seconds(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -116,7 +118,7 @@ def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
 
     def timed(fn):
         dist.barrier()
-        return _median_seconds(fn, repeats)
+        return median_seconds(fn, repeats)
 
     m = Measurements()
     small = torch.randn(16, 16)
