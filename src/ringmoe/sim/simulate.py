@@ -89,8 +89,114 @@ class Prediction:
     timeline: Timeline | None = None                         # every task of the layer, for inspection and plots
 
 
-def _node(hw: Hardware, rank: int) -> int:
-    return rank // hw.devices_per_node
+class _Layer:
+    """One layer's schedule on the whole mesh: the shared timeline and the per-rank helpers."""
+
+    def __init__(self, s: Scenario):
+        self.s, self.c, self.hw = s, s.config, s.hw
+        self.world = s.cp * s.ep
+        self.batch_local = s.rows // s.ep
+        self.local = s.seqlen // s.cp
+        self.tokens = self.batch_local * self.local
+        self.t = Timeline()
+
+    def rank(self, cp_rank: int, ep_rank: int) -> int:
+        return cp_rank * self.s.ep + ep_rank
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.hw.devices_per_node == b // self.hw.devices_per_node
+
+    def compute(self, name: str, r: int, seconds: float, after=()):
+        return self.t.add(name, "compute", r, (("compute", r),), seconds, after=after)
+
+    def transfer(self, name: str, src: int, dst: int, nbytes: float, after=()):
+        # a device's NVLink and its NIC are separate queues, each way
+        near = self.same_node(src, dst)
+        return self.t.add(name, "transfer", src, (("out", src, near), ("in", dst, near)),
+                          self.hw.transfer_time(nbytes, near), after=after, nbytes=nbytes)
+
+    def ring(self, qkv: dict) -> dict:
+        """Ring attention steps per rank; K/V of step s travel while step s computes (double buffered)."""
+        s, c, hw = self.s, self.c, self.hw
+        kv_bytes = kv_block_bytes(c, self.batch_local, self.local, s.element_bytes)
+        merge_s = 3 * self.tokens * c.num_heads * c.head_dim * 4 / hw.memory_bandwidth  # two fp32 partials in, one out
+        per_pair = 4 * c.head_dim * c.num_heads * self.batch_local
+        arrived = dict(qkv)  # the K/V block a rank holds at the current step
+        previous = {r: None for r in range(self.world)}
+        steps: dict[int, list] = {r: [] for r in range(self.world)}
+        for step in range(s.cp):
+            incoming = {}
+            if step < s.cp - 1:  # pass the held block on; the receiver must have freed the buffer of step - 1
+                for cp_rank in range(s.cp):
+                    for ep_rank in range(s.ep):
+                        src, dst = self.rank(cp_rank, ep_rank), self.rank((cp_rank + 1) % s.cp, ep_rank)
+                        incoming[dst] = self.transfer(f"kv{step}:{src}->{dst}", src, dst, kv_bytes,
+                                                      after=(arrived[src], previous[dst]))
+            for cp_rank in range(s.cp):
+                full, masked, calls = ring_step_pairs(s.seqlen, s.cp, cp_rank, step, s.layout, s.causal)
+                seconds = (calls * hw.kernel_overhead + (merge_s if step else 0.0)
+                           + per_pair * (full + masked / hw.causal_efficiency) / hw.attention_flops)
+                for ep_rank in range(s.ep):
+                    r = self.rank(cp_rank, ep_rank)
+                    previous[r] = self.compute(f"attn{step}:{r}", r, seconds, after=(arrived[r],))
+                    steps[r].append(previous[r])
+            arrived.update(incoming)
+        return steps
+
+    def experts(self, router: dict, shares: list[float]):
+        """Dispatch, expert compute and combine in chunks, per ep group, in the implementation's issue order.
+
+        Returns (done task per rank, expert tasks per rank, dispatch tasks per rank, bytes sent by dispatch,
+        bytes sent by combine).
+        """
+        s, c, hw = self.s, self.c, self.hw
+        local_experts = c.num_experts // s.ep
+        row_bytes = c.hidden_size * (s.dispatch_bytes if s.dispatch_bytes is not None else s.element_bytes)
+        back_bytes = c.hidden_size * s.element_bytes
+        flops_per_assignment = expert_flops_per_assignment(c)
+        # memory-bound work per assignment: gather the row in, SwiGLU (read 2F, write F), scatter and weight the result
+        bytes_per_assignment = (4 * c.hidden_size + 3 * c.ffn_size) * s.element_bytes
+        rows = [rows_to_rank(self.tokens / s.chunks, c.num_experts, c.top_k, share) for share in shares]
+        work = [self.tokens * c.top_k / s.chunks * share * s.ep for share in shares]  # an owner's assignments per chunk
+        done = {}
+        expert_tasks = {r: [] for r in range(self.world)}
+        dispatch_tasks = {r: [] for r in range(self.world)}
+        sent_dispatch, sent_combine = [0.0] * self.world, [0.0] * self.world
+        for cp_rank in range(s.cp):
+            group = [self.rank(cp_rank, e) for e in range(s.ep)]
+
+            def dispatch(chunk):
+                arrivals = {d: [] for d in group}
+                for src in group:
+                    for j, dst in enumerate(group):
+                        if src != dst:
+                            sent_dispatch[src] += rows[j] * row_bytes
+                            task = self.transfer(f"dispatch{chunk}:{src}->{dst}", src, dst, rows[j] * row_bytes,
+                                                 after=(router[src],))
+                            arrivals[dst].append(task)
+                            dispatch_tasks[src].append(task)
+                return arrivals
+
+            pending = dispatch(0)
+            finished = {r: [] for r in group}
+            for chunk in range(s.chunks):
+                upcoming = dispatch(chunk + 1) if chunk + 1 < s.chunks else None  # in flight during this chunk
+                for j, owner in enumerate(group):
+                    seconds = (local_experts * hw.kernel_overhead + work[j] * flops_per_assignment / hw.matmul_flops
+                               + work[j] * bytes_per_assignment / hw.memory_bandwidth)
+                    task = self.compute(f"experts{chunk}:{owner}", owner, seconds, after=(router[owner], *pending[owner]))
+                    expert_tasks[owner].append(task)
+                    for dst in group:
+                        if dst == owner:
+                            finished[dst].append(task)
+                        else:
+                            sent_combine[owner] += rows[j] * back_bytes
+                            finished[dst].append(self.transfer(f"combine{chunk}:{owner}->{dst}", owner, dst,
+                                                               rows[j] * back_bytes, after=(task,)))
+                pending = upcoming
+            for r in group:
+                done[r] = self.compute(f"sum{r}", r, 0.0, after=tuple(finished[r]))
+        return done, expert_tasks, dispatch_tasks, sent_dispatch, sent_combine
 
 
 def simulate(s: Scenario) -> Prediction:
@@ -103,139 +209,47 @@ def simulate(s: Scenario) -> Prediction:
         check_layout(s.seqlen, s.cp, s.layout)
     if not isinstance(s.chunks, int) or s.chunks < 1:
         raise ValueError(f"chunks must be a positive int, got {s.chunks!r}")
-    world = s.cp * s.ep
-    batch_local = s.rows // s.ep
-    local = s.seqlen // s.cp
-    tokens = batch_local * local
-    dispatch_element = s.dispatch_bytes if s.dispatch_bytes is not None else s.element_bytes
-    t = Timeline()
-    rank_of = lambda cp_rank, ep_rank: cp_rank * s.ep + ep_rank  # noqa: E731
-    same_node = lambda a, b: _node(hw, a) == _node(hw, b)  # noqa: E731
-    compute = lambda r: ("compute", r)  # noqa: E731
-    # a device's NVLink and its NIC are separate queues, each way
-    links = lambda a, b: (("out", a, same_node(a, b)), ("in", b, same_node(a, b)))  # noqa: E731
-
-    # -- attention ------------------------------------------------------------------------
-    qkv, attn_steps, attn_done = {}, {}, {}
-    kv_bytes = kv_block_bytes(c, batch_local, local, s.element_bytes)
+    layer = _Layer(s)
+    world, tokens, t = layer.world, layer.tokens, layer.t
+    shares = rank_shares(s.ep, s.skew)
     in_proj = tokens * 2 * c.hidden_size * c.head_dim * (c.num_heads + 2 * c.num_kv_heads)
     out_proj = tokens * 2 * c.hidden_size * c.head_dim * c.num_heads
-    merge_s = 3 * tokens * c.num_heads * c.head_dim * 4 / hw.memory_bandwidth  # read two partials, write one (fp32)
-    for r in range(world):
-        qkv[r] = t.add(f"qkv{r}", "compute", r, (compute(r),), hw.kernel_overhead + in_proj / hw.matmul_flops)
-    if "attention" in s.parts:
-        arrived = {r: qkv[r] for r in range(world)}  # the K/V block a rank holds at the current step
-        previous_compute = {r: None for r in range(world)}
-        for step in range(s.cp):
-            incoming = {}
-            if step < s.cp - 1:  # pass the held block on while computing on it
-                for cp_rank in range(s.cp):
-                    for ep_rank in range(s.ep):
-                        src, dst = rank_of(cp_rank, ep_rank), rank_of((cp_rank + 1) % s.cp, ep_rank)
-                        incoming[dst] = t.add(
-                            f"kv{step}:{src}->{dst}", "transfer", src, links(src, dst),
-                            hw.transfer_time(kv_bytes, same_node(src, dst)),
-                            after=(arrived[src], previous_compute[dst]), nbytes=kv_bytes)
-            for cp_rank in range(s.cp):
-                full, masked, calls = ring_step_pairs(s.seqlen, s.cp, cp_rank, step, s.layout, s.causal)
-                per_pair = 4 * c.head_dim * c.num_heads * batch_local
-                seconds = per_pair * (full + masked / hw.causal_efficiency) / hw.attention_flops
-                for ep_rank in range(s.ep):
-                    r = rank_of(cp_rank, ep_rank)
-                    duration = calls * hw.kernel_overhead + seconds + (merge_s if step else 0.0)
-                    task = t.add(f"attn{step}:{r}", "compute", r, (compute(r),), duration, after=(arrived[r],))
-                    attn_steps.setdefault(r, []).append(task)
-                    previous_compute[r] = task
-            arrived.update(incoming)
-        attn_done = {r: attn_steps[r][-1] for r in range(world)}
-    else:
-        attn_done = dict(qkv)
-    o_proj = {r: t.add(f"o{r}", "compute", r, (compute(r),), hw.kernel_overhead + out_proj / hw.matmul_flops,
-                       after=(attn_done[r],)) for r in range(world)}
+    router_flops = 2 * tokens * c.hidden_size * c.num_experts
 
-    # -- mixture of experts -------------------------------------------------------------------
-    shares = rank_shares(s.ep, s.skew)
-    assignments = tokens * c.top_k  # per rank, before splitting over owners
-    router = {r: t.add(f"router{r}", "compute", r, (compute(r),),
-                       hw.kernel_overhead + 2 * tokens * c.hidden_size * c.num_experts / hw.matmul_flops,
-                       after=(o_proj[r],)) for r in range(world)}
-    done = dict(router)
-    expert_tasks: dict[int, list] = {r: [] for r in range(world)}
-    sent_dispatch = [0.0] * world
-    sent_combine = [0.0] * world
-    dispatch_tasks: dict[int, list] = {r: [] for r in range(world)}
+    qkv = {r: layer.compute(f"qkv{r}", r, hw.kernel_overhead + in_proj / hw.matmul_flops) for r in range(world)}
+    attn_steps = layer.ring(qkv) if "attention" in s.parts else {r: [] for r in range(world)}
+    attn_done = {r: attn_steps[r][-1] if attn_steps[r] else qkv[r] for r in range(world)}
+    o_proj = {r: layer.compute(f"o{r}", r, hw.kernel_overhead + out_proj / hw.matmul_flops, after=(attn_done[r],))
+              for r in range(world)}
+    router = {r: layer.compute(f"router{r}", r, hw.kernel_overhead + router_flops / hw.matmul_flops,
+                               after=(o_proj[r],)) for r in range(world)}
     if "moe" in s.parts:
-        local_experts = c.num_experts // s.ep
-        row_bytes = c.hidden_size * dispatch_element
-        back_bytes = c.hidden_size * s.element_bytes
-        flops_per_assignment = expert_flops_per_assignment(c)
-        # memory-bound work per assignment: gather the row in, SwiGLU (read 2F, write F), scatter and weight the result
-        bytes_per_assignment = (4 * c.hidden_size + 3 * c.ffn_size) * s.element_bytes
-        for cp_rank in range(s.cp):
-            group = [rank_of(cp_rank, e) for e in range(s.ep)]
-            rows = [rows_to_rank(tokens / s.chunks, c.num_experts, c.top_k, share) for share in shares]
-            work = [assignments / s.chunks * share * s.ep for share in shares]  # assignments an owner computes per chunk
-
-            def dispatch(chunk):
-                arrivals = {d: [] for d in group}
-                for src in group:
-                    for j, dst in enumerate(group):
-                        if src == dst:
-                            continue
-                        nbytes = rows[j] * row_bytes
-                        sent_dispatch[src] += nbytes
-                        task = t.add(f"dispatch{chunk}:{src}->{dst}", "transfer", src, links(src, dst),
-                                     hw.transfer_time(nbytes, same_node(src, dst)), after=(router[src],),
-                                     nbytes=nbytes)
-                        arrivals[dst].append(task)
-                        dispatch_tasks[src].append(task)
-                return arrivals
-
-            pending = dispatch(0)
-            finished = {r: [] for r in group}
-            for chunk in range(s.chunks):
-                upcoming = dispatch(chunk + 1) if chunk + 1 < s.chunks else None
-                for j, owner in enumerate(group):
-                    duration = (local_experts * hw.kernel_overhead + work[j] * flops_per_assignment / hw.matmul_flops
-                                + work[j] * bytes_per_assignment / hw.memory_bandwidth)
-                    task = t.add(f"experts{chunk}:{owner}", "compute", owner, (compute(owner),), duration,
-                                 after=(router[owner], *pending[owner]))
-                    expert_tasks[owner].append(task)
-                    for dst in group:
-                        if dst == owner:
-                            finished[dst].append(task)
-                            continue
-                        nbytes = rows[j] * back_bytes
-                        sent_combine[owner] += nbytes
-                        finished[dst].append(t.add(
-                            f"combine{chunk}:{owner}->{dst}", "transfer", owner, links(owner, dst),
-                            hw.transfer_time(nbytes, same_node(owner, dst)), after=(task,), nbytes=nbytes))
-                pending = upcoming
-            for r in group:
-                done[r] = t.add(f"sum{r}", "compute", r, (compute(r),), 0.0, after=tuple(finished[r]))
+        done, expert_tasks, dispatch_tasks, sent_dispatch, sent_combine = layer.experts(router, shares)
+    else:
+        done, expert_tasks, dispatch_tasks = dict(router), {r: [] for r in range(world)}, {r: [] for r in range(world)}
+        sent_dispatch, sent_combine = [0.0] * world, [0.0] * world
 
     layer_s = t.end()
     lm_head = 2 * c.hidden_size * c.vocab_size * s.rows / hw.matmul_flops
-    steps = [[x.duration for x in attn_steps.get(r, [])] for r in range(world)]
-    waits = [t.idle_between(attn_steps[r]) + (attn_steps[r][0].start - qkv[r].end) if r in attn_steps else 0.0
+    steps = [[x.duration for x in attn_steps[r]] for r in range(world)]
+    waits = [t.idle_between(attn_steps[r]) + (attn_steps[r][0].start - qkv[r].end) if attn_steps[r] else 0.0
              for r in range(world)]
     attn_total = [sum(x) for x in steps]
-    ring_s = max((attn_steps[r][-1].end - qkv[r].end for r in attn_steps), default=0.0)
-    mean_attn = sum(attn_total) / world if world else 0.0
+    mean_attn = sum(attn_total) / world
     expert_end = [max((x.end for x in expert_tasks[r]), default=router[r].end) for r in range(world)]
     recv_rows = s.ep * rows_to_rank(tokens, c.num_experts, c.top_k, shares[0])  # rows the hottest owner receives
     slowest = max(range(world), key=lambda r: done[r].end)
     return Prediction(
         scenario=s,
         layer_s=layer_s,
-        ring_s=ring_s,
+        ring_s=max((attn_done[r].end - qkv[r].end for r in range(world)), default=0.0),
         prefill_s=c.num_layers * layer_s + lm_head,
         tokens_per_rank=tokens,
         attention_step_s=steps,
         ring_wait_s=waits,
-        kv_bytes_per_step=kv_bytes if s.cp > 1 else 0,
+        kv_bytes_per_step=kv_block_bytes(c, layer.batch_local, layer.local, s.element_bytes) if s.cp > 1 else 0,
         ring_exposed_fraction=max((w / (w + a) if w + a > 0 else 0.0) for w, a in zip(waits, attn_total)),
-        min_tokens_for_overlap=min_tokens_for_overlap(c, hw, batch_local, s.element_bytes,
+        min_tokens_for_overlap=min_tokens_for_overlap(c, hw, layer.batch_local, s.element_bytes,
                                                       same_node=world <= hw.devices_per_node),
         dispatch_bytes=sent_dispatch,
         combine_bytes=sent_combine,
@@ -245,11 +259,11 @@ def simulate(s: Scenario) -> Prediction:
         moe_s=[done[r].end - router[r].start for r in range(world)],
         straggler_s=max(expert_end) - sum(expert_end) / world,
         attention_imbalance=max(attn_total) / mean_attn if mean_attn > 0 else 1.0,
-        memory=memory_per_rank(c, s.cp, s.ep, batch_local, local, s.element_bytes, recv_rows, s.chunks),
+        memory=memory_per_rank(c, s.cp, s.ep, layer.batch_local, layer.local, s.element_bytes, recv_rows, s.chunks),
         timeline=t,
         breakdown={
             "projections_s": qkv[slowest].duration + o_proj[slowest].duration + router[slowest].duration,
-            "attention_s": attn_done[slowest].end - qkv[slowest].end if "attention" in s.parts else 0.0,
+            "attention_s": attn_done[slowest].end - qkv[slowest].end,
             "moe_s": done[slowest].end - router[slowest].end,
         },
     )
