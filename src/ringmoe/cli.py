@@ -34,6 +34,8 @@ def _add_demo(sub) -> None:
     demo.add_argument("--layout", default="zigzag", choices=["zigzag", "striped", "contiguous"],
                       help="how each sequence is sharded over the cp ranks (default zigzag: balanced causal work)")
     demo.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (default: dropless); capacity is decided per ep group over its tokens, so with --cp > 1 it differs from one process (the check then fails by design)")
+    demo.add_argument("--overlap-chunks", type=_positive, default=2, help="expert-parallel micro-batches: each "
+                      "travels while another computes (default 2; 1 = exchanges wait; results are the same)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
     demo.add_argument("--no-check", action="store_true", help="skip the single-process exactness check")
     demo.add_argument("--launcher", default="local", choices=["local", "torchrun"],
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
         options = DemoOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,
                               seqlen=args.seqlen, batch=args.batch, new_tokens=args.new_tokens, layout=args.layout,
-                              capacity_factor=args.capacity_factor, seed=args.seed, check=not args.no_check)
+                              capacity_factor=args.capacity_factor, overlap_chunks=args.overlap_chunks,
+                              seed=args.seed, check=not args.no_check)
         try:
             ok = run_demo_torchrun(options) if args.launcher == "torchrun" else run_demo(options)
         except ValueError as error:

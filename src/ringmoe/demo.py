@@ -32,6 +32,7 @@ class DemoOptions:
     new_tokens: int = 8
     layout: str = "zigzag"
     capacity_factor: float | None = None
+    overlap_chunks: int = 2
     seed: int = 0
     check: bool = True
 
@@ -44,14 +45,14 @@ def _config(options: DemoOptions):
     from .model import load_config, preset
 
     config = load_config(options.checkpoint) if options.checkpoint else preset(options.preset)
-    return config.replace(capacity_factor=options.capacity_factor)
+    return config.replace(capacity_factor=options.capacity_factor, overlap_chunks=options.overlap_chunks)
 
 
 def validate(options: DemoOptions) -> None:
     """Every option error, before any process starts."""
     from .parallel.layout import check_layout
 
-    for name in ("cp", "ep", "seqlen", "new_tokens"):
+    for name in ("cp", "ep", "seqlen", "new_tokens", "overlap_chunks"):
         value = getattr(options, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
@@ -80,7 +81,8 @@ def _build(options: DemoOptions, mesh, device):
     from .model import MoETransformer, load_checkpoint
 
     if options.checkpoint:
-        return load_checkpoint(options.checkpoint, mesh, options.layout, capacity_factor=options.capacity_factor).to(device)
+        return load_checkpoint(options.checkpoint, mesh, options.layout, capacity_factor=options.capacity_factor,
+                               overlap_chunks=options.overlap_chunks).to(device)
     model = MoETransformer(_config(options), mesh, options.layout)
     model.init_weights(options.seed)
     return model.to(device)
@@ -170,7 +172,8 @@ def print_report(console, options: DemoOptions, config, ranks: list[dict], refer
     world = options.cp * options.ep
     prompt_tokens = options.rows * options.seqlen
     table = Table(title=f"{world} ranks (cp={options.cp} x ep={options.ep}, {options.layout}), "
-                        f"{options.rows} x {options.seqlen} prompt tokens, {options.new_tokens} new tokens each")
+                        f"{options.rows} x {options.seqlen} prompt tokens, {options.new_tokens} new tokens each, "
+                        f"EP overlap_chunks={options.overlap_chunks}")
     for col in ("rank", "cp,ep", "prefill s", "decode s", "RSS MiB", "attn s", "exposed", "expert rows", "dropped"):
         table.add_column(col, justify="right")
     for r in ranks:

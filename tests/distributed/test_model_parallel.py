@@ -13,9 +13,9 @@ CONFIG = preset("tiny")
 SEQLEN = 24  # divisible by 2 * cp for cp in {1, 2, 3}: every layout shards it
 
 
-def _models(cp, ep, layout, seed):
+def _models(cp, ep, layout, seed, chunks=1):
     mesh = make_mesh(cp, ep)
-    model = MoETransformer(CONFIG, mesh, layout).double()
+    model = MoETransformer(CONFIG.replace(overlap_chunks=chunks), mesh, layout).double()
     model.init_weights(seed, std=0.1)
     single = MoETransformer(CONFIG).double()
     single.init_weights(seed, std=0.1)
@@ -27,8 +27,8 @@ def _local(mesh, x, layout):
     return shard(rows, mesh.cp, mesh.cp_rank, layout, dim=1) if mesh.cp > 1 else rows
 
 
-def _train_step_rank(rank, world, cp, ep, layout):
-    mesh, model, single = _models(cp, ep, layout, seed=5)
+def _train_step_rank(rank, world, cp, ep, layout, chunks):
+    mesh, model, single = _models(cp, ep, layout, seed=5, chunks=chunks)
     gen = torch.Generator().manual_seed(17)
     batch = 2 * ep
     ids = torch.randint(0, CONFIG.vocab_size, (batch, SEQLEN), generator=gen)
@@ -53,15 +53,16 @@ def _train_step_rank(rank, world, cp, ep, layout):
     return errors
 
 
-@pytest.mark.parametrize("cp,ep,layout", [(1, 1, "zigzag"), (2, 1, "zigzag"), (1, 2, "zigzag"), (2, 2, "zigzag"),
-                                          (2, 2, "striped"), (3, 1, "zigzag"), (3, 1, "contiguous")])
-def test_logits_and_gradients_match_single_device(cp, ep, layout):
-    results = spawn(_train_step_rank, cp * ep, cp, ep, layout, timeout=120)
+@pytest.mark.parametrize("cp,ep,layout,chunks", [(1, 1, "zigzag", 1), (2, 1, "zigzag", 1), (1, 2, "zigzag", 1),
+                                                 (1, 2, "zigzag", 3), (2, 2, "zigzag", 1), (2, 2, "striped", 2),
+                                                 (3, 1, "zigzag", 1), (3, 1, "contiguous", 1)])
+def test_logits_and_gradients_match_single_device(cp, ep, layout, chunks):
+    results = spawn(_train_step_rank, cp * ep, cp, ep, layout, chunks, timeout=120)
     assert all(r["logits"] < 1e-10 for r in results)
 
 
-def _generate_rank(rank, world, cp, ep, layout):
-    mesh, model, single = _models(cp, ep, layout, seed=8)
+def _generate_rank(rank, world, cp, ep, layout, chunks):
+    mesh, model, single = _models(cp, ep, layout, seed=8, chunks=chunks)
     gen = torch.Generator().manual_seed(23)
     prompt = torch.randint(0, CONFIG.vocab_size, (2 * ep, SEQLEN), generator=gen)
     want = generate(single, prompt, 6, return_logits=True)
@@ -72,9 +73,11 @@ def _generate_rank(rank, world, cp, ep, layout):
     return got.tokens.tolist()  # plain lists: tensors would travel as shared memory of a dying process
 
 
-@pytest.mark.parametrize("cp,ep,layout", [(2, 1, "zigzag"), (1, 2, "zigzag"), (2, 2, "zigzag"), (3, 1, "striped")])
-def test_generate_matches_single_device_greedy(cp, ep, layout):
-    tokens = spawn(_generate_rank, cp * ep, cp, ep, layout, timeout=120)
+@pytest.mark.parametrize("cp,ep,layout,chunks", [(2, 1, "zigzag", 1), (1, 2, "zigzag", 1), (2, 2, "zigzag", 3),
+                                                 (3, 1, "striped", 1)])
+def test_generate_matches_single_device_greedy(cp, ep, layout, chunks):
+    """chunks=3 at ep=2: each decoding step has two tokens per rank, so one of the three chunks is empty."""
+    tokens = spawn(_generate_rank, cp * ep, cp, ep, layout, chunks, timeout=120)
     assert all(t == tokens[0] for t in tokens)  # every rank returns every sequence
     assert torch.tensor(tokens[0]).shape == (2 * ep, 6)
 

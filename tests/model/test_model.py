@@ -23,6 +23,8 @@ def test_config_rejects_bad_shapes():
         ModelConfig(num_experts=2, top_k=3)
     with pytest.raises(ValueError, match="arch"):
         ModelConfig(arch="llama")
+    with pytest.raises(ValueError, match="overlap_chunks"):
+        ModelConfig(overlap_chunks=0)
     with pytest.raises(ValueError, match="preset"):
         preset("huge")
 

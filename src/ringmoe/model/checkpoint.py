@@ -127,13 +127,14 @@ def load_weights(model: MoETransformer, path: str | Path) -> LoadReport:
 
 
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, layout: str = "zigzag", backend: str = "auto",
-                    dtype: torch.dtype | None = None, capacity_factor: float | None = None) -> MoETransformer:
+                    dtype: torch.dtype | None = None, capacity_factor: float | None = None,
+                    overlap_chunks: int = 1) -> MoETransformer:
     """Build the model a checkpoint directory describes on ``mesh`` and load its weights.
 
-    dtype: parameters' dtype (default: the default dtype).  The result's logits
-    equal transformers' model of the same checkpoint.
+    dtype: parameters' dtype (default: the default dtype).  capacity_factor, overlap_chunks: the
+    runtime fields of ``ModelConfig``.  The result's logits equal transformers' model of the same checkpoint.
     """
-    config = load_config(path).replace(capacity_factor=capacity_factor)
+    config = load_config(path).replace(capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
     model = MoETransformer(config, mesh, layout, backend)
     if dtype is not None:
         model = model.to(dtype)

@@ -16,7 +16,9 @@ class ModelConfig:
 
     arch: "mixtral" or "qwen3_moe" (Qwen3 adds an RMSNorm on each query and key head
     before RoPE, ``qk_norm``).  ffn_size is the hidden size of one expert.
-    capacity_factor None = dropless experts.
+    capacity_factor None = dropless experts.  overlap_chunks (a runtime choice, like capacity): micro-batches
+    pipelined through the expert-parallel exchanges so they travel while experts compute; results do not
+    depend on it.
     """
 
     arch: str = "mixtral"
@@ -35,12 +37,13 @@ class ModelConfig:
     rms_eps: float = 1e-5
     tie_word_embeddings: bool = False
     capacity_factor: float | None = None
+    overlap_chunks: int = 1
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "ffn_size", "num_experts", "top_k"):
+                     "ffn_size", "num_experts", "top_k", "overlap_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -100,7 +100,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.mlp = MoELayer(config.hidden_size, config.ffn_size, config.num_experts, config.top_k,
                             router="softmax_topk", normalize_topk=config.normalize_topk,
-                            capacity_factor=config.capacity_factor, group=ep_group)
+                            capacity_factor=config.capacity_factor, group=ep_group,
+                            overlap_chunks=config.overlap_chunks)
 
     def forward(self, x, cos, sin, attend: Attend):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, self.index)

@@ -11,16 +11,20 @@ One forward on every rank:
 3. dispatch: exchange row counts, then ``all_to_all`` one row per (token,
    destination rank) -- a token that chose two experts on two ranks is sent to
    both, one that chose two experts on the same rank is sent there once --
-   with a small side tensor of its expert ids and router weights there;
+   carrying its router weights and local expert ids there as 2k extra
+   columns (a second exchange when the rows are in low precision);
 4. each owner expands the rows to (row, expert) assignments, runs each local
    expert on its rows, and sums the router-weighted outputs per row;
 5. combine: the reverse ``all_to_all`` brings one row per (token, rank) home,
    where the rows are summed per token.
 
+Rows a rank routes to its own experts never enter the exchange.
 ``overlap_chunks = n`` splits the local tokens into n micro-batches and
-pipelines them: chunk i+1's dispatch is in flight while chunk i's experts run,
-and chunk i's combine is in flight while chunk i+1 computes.  Both exchanges
-are differentiable; the backward runs them synchronously per chunk.
+pipelines them: every chunk's dispatch is sent at once (one exchange of
+counts first), each chunk's own rows compute while its remote rows travel,
+and chunk i's combine travels while later chunks compute (the last chunk
+computes its own rows last, to cover the last combine).  Both exchanges are
+differentiable; the backward runs them synchronously per chunk.
 """
 
 from __future__ import annotations
@@ -79,83 +83,154 @@ def _chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     return [(min(tokens, i * step), min(tokens, (i + 1) * step)) for i in range(chunks)]
 
 
-def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
-    """flat (T, H) this rank's tokens -> (T, H) float32 (float64 stays): the weighted expert outputs."""
-    group, world, local = layer.group, layer.ep_size, layer.local_experts
-    tokens = flat.shape[0]
-    timings = {"route_s": 0.0, "dispatch_s": 0.0, "experts_s": 0.0, "combine_s": 0.0}
-    start = time.perf_counter()
-    physical = layer.physical_experts
-    plan = plan_dispatch(_to_replicas(layer, routing.topk_idx), routing.topk_weight, physical, None)
-    keep = _capacity_keep(layer, plan, routing, tokens)
-    weights = routing.topk_weight.reshape(-1).index_select(0, plan.order)
-    timings["route_s"] = time.perf_counter() - start
+class _Chunk:
+    """One micro-batch [lo, hi) of this rank's tokens: the rows its own experts take and the rows that travel.
 
-    k = layer.top_k
-    out_dtype = torch.promote_types(flat.dtype, torch.float32)
-    meta_dtype = torch.promote_types(weights.dtype, torch.float32)  # router weights at full precision
+    A row is one (token, destination rank) pair; its meta (R, 2k) holds the router weights of the token's
+    experts on that rank, then their local ids (-1 = unused slot).  Rows are sorted by destination rank.
+    """
 
-    def launch(lo, hi):
-        """Chunk [lo, hi): one row per (token, destination rank) plus its experts there and their weights."""
+    def __init__(self, layer, plan, keep, weights, lo: int, hi: int, meta_dtype: torch.dtype):
+        k, local, key = layer.top_k, layer.local_experts, max(hi, 1)
         sel = keep & (plan.token >= lo) & (plan.token < hi)
         tok, phys = plan.token[sel], plan.expert[sel]
-        dest = phys // local
-        pairs, pair_of = torch.unique(dest * tokens + tok, return_inverse=True)  # sorted: grouped by rank
-        pair_token = pairs % tokens
-        # slot of each assignment inside its pair: a token may pick several experts on one rank
+        pairs, pair_of = torch.unique(phys // local * key + tok, return_inverse=True)  # sorted: grouped by rank
+        pair_token, pair_dest = pairs % key, pairs // key
+        # slot of each assignment inside its row: a token may pick several experts on one rank
         per_pair = torch.bincount(pair_of, minlength=pairs.numel())
         order = torch.argsort(pair_of, stable=True)
         slot = torch.empty_like(pair_of)
         slot[order] = torch.arange(pair_of.numel()) - (torch.cumsum(per_pair, 0) - per_pair)[pair_of[order]]
-        # meta (pairs, 2k): [router weights | local expert ids, -1 = unused]; weights keep their gradient
         ids = torch.full((pairs.numel(), k), -1.0, dtype=meta_dtype)
         ids = ids.index_put((pair_of, slot), (phys % local).to(meta_dtype))
         w = torch.zeros(pairs.numel(), k, dtype=meta_dtype).index_put((pair_of, slot), weights[sel].to(meta_dtype))
-        send_splits = torch.bincount(pairs // tokens, minlength=world)
-        recv_splits = exchange_counts(send_splits.view(world, 1), group).view(-1).tolist()
-        send_splits = send_splits.tolist()
-        rows = start_all_to_all(flat.index_select(0, pair_token), send_splits, recv_splits, group)
-        meta = start_all_to_all(torch.cat([w, ids], dim=1), send_splits, recv_splits, group)
-        return pair_token, send_splits, recv_splits, rows, meta
+        meta = torch.cat([w, ids], dim=1)  # the router weights keep their gradient
+        mine = pair_dest == layer.ep_rank
+        self.local_token, self.local_meta = pair_token[mine], meta[mine]
+        self.remote_token, self.remote_meta = pair_token[~mine], meta[~mine]
+        self.send_counts = torch.bincount(pair_dest[~mine], minlength=layer.ep_size)  # 0 for this rank
+        self.send_splits = self.recv_splits = None
+        self.dispatch = self.combine = None
 
-    bounds = _chunk_bounds(tokens, max(1, layer.overlap_chunks))
-    y = torch.zeros(tokens, flat.shape[-1], dtype=out_dtype)
-    computed_rows, remote_bytes = 0, 0
-    row_bytes = flat.shape[-1] * flat.element_size() + 2 * k * meta_dtype.itemsize
-    tick = time.perf_counter()
-    in_flight = launch(*bounds[0])
-    combines = []
-    for i in range(len(bounds)):
-        pair_token, send_splits, recv_splits, rows, meta = in_flight
-        remote_bytes += (sum(send_splits) - send_splits[layer.ep_rank]) * row_bytes
-        received, received_meta = rows.result(), meta.result()
-        if i + 1 < len(bounds):
-            in_flight = launch(*bounds[i + 1])  # next chunk travels while this one computes
+    def start_dispatch(self, flat: torch.Tensor, group) -> None:
+        """Send the travelling rows with their meta (one exchange when the dtypes agree, else two)."""
+        rows = flat.index_select(0, self.remote_token)
+        if rows.dtype == self.remote_meta.dtype:
+            self.dispatch = (start_all_to_all(torch.cat([rows, self.remote_meta], 1), self.send_splits,
+                                              self.recv_splits, group),)
+        else:
+            self.dispatch = tuple(start_all_to_all(t, self.send_splits, self.recv_splits, group)
+                                  for t in (rows, self.remote_meta))
+
+    def received(self, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the dispatch: rows (M, H) from the other ranks for this rank's experts, meta (M, 2k)."""
+        if len(self.dispatch) == 1:
+            both = self.dispatch[0].result()
+            return both[:, :hidden], both[:, hidden:]
+        return self.dispatch[0].result(), self.dispatch[1].result()
+
+
+def _run_local_experts(layer, rows: torch.Tensor, meta: torch.Tensor, out_dtype) -> torch.Tensor:
+    """rows (M, H), meta (M, 2k) -> (M, H) out_dtype: each row's router-weighted sum over its experts here."""
+    k = layer.top_k
+    row_idx, slot_idx = (meta[:, k:] >= 0).nonzero(as_tuple=True)
+    expert_of = meta[row_idx, k + slot_idx].detach().long()
+    order = torch.argsort(expert_of, stable=True)  # group the (row, expert) assignments by expert
+    row_idx, slot_idx = row_idx[order], slot_idx[order]
+    out = layer.experts.grouped(rows.index_select(0, row_idx),
+                                torch.bincount(expert_of, minlength=layer.local_experts).tolist())
+    weighted = out.to(out_dtype) * meta[row_idx, slot_idx].to(out_dtype).unsqueeze(-1)
+    # in place on a fresh buffer: autograd only needs the index to send gradients back to ``weighted``
+    return torch.zeros(rows.shape[0], out.shape[-1], dtype=out_dtype).index_add_(0, row_idx, weighted)
+
+
+def _schedule(chunks: int) -> list[tuple[str, int]]:
+    """Compute order.  Each chunk's own rows run while its dispatch travels; for the last chunk the order
+    flips, so its own rows run while the last combine travels.  n chunks: nothing has to wait but latency."""
+    steps = [(part, i) for i in range(chunks) for part in ("local", "remote")]
+    if chunks > 1:
+        steps[-2:] = steps[-2:][::-1]
+    return steps
+
+
+class _Laps(dict):
+    """Seconds per phase: ``lap(name)`` charges the time since the previous lap to ``name``;
+    ``blocked(fn, ...)`` also adds the time spent inside fn, waiting on an exchange, to ``wait_s``."""
+
+    def __init__(self):
+        super().__init__(route_s=0.0, dispatch_s=0.0, experts_s=0.0, combine_s=0.0, wait_s=0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
         now = time.perf_counter()
-        timings["dispatch_s"] += now - tick
-        # expand each received row to its (row, expert) assignments, grouped by local expert
-        row_idx, slot_idx = (received_meta[:, k:] >= 0).nonzero(as_tuple=True)
-        expert_of = received_meta[row_idx, k + slot_idx].detach().long()
-        order = torch.argsort(expert_of, stable=True)
-        row_idx, slot_idx = row_idx[order], slot_idx[order]
-        out = layer.experts.grouped(received.index_select(0, row_idx),
-                                    torch.bincount(expert_of, minlength=local).tolist())
-        weighted = out.to(out_dtype) * received_meta[row_idx, slot_idx].to(out_dtype).unsqueeze(-1)
-        rows_out = torch.zeros(received.shape[0], out.shape[-1], dtype=out_dtype).index_add(0, row_idx, weighted)
-        computed_rows += row_idx.numel()
-        tick = time.perf_counter()
-        timings["experts_s"] += tick - now
-        combines.append((pair_token, start_all_to_all(rows_out.to(flat.dtype), recv_splits, send_splits, group)))
-    for pair_token, pending in combines:
-        y = y.index_add(0, pair_token, pending.result().to(out_dtype))
-    timings["combine_s"] = time.perf_counter() - tick
-    timings["dispatch_bytes"] = remote_bytes
+        self[name] += now - self._last
+        self._last = now
+
+    def blocked(self, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self["wait_s"] += time.perf_counter() - start
+        return out
+
+
+def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
+    """flat (T, H) this rank's tokens -> (T, H) float32 (float64 stays): the weighted expert outputs.
+
+    overlap_chunks = 1 runs the exchanges synchronously (dispatch, compute, combine); n > 1 sends every
+    chunk's dispatch at once and computes in ``_schedule`` order, each combine leaving as its chunk is done.
+    ``layer.sync_exchanges`` waits for every exchange as soon as it starts: the same chunks without overlap.
+    """
+    group, hidden, tokens, k = layer.group, flat.shape[-1], flat.shape[0], layer.top_k
+    laps = _Laps()
+    plan = plan_dispatch(_to_replicas(layer, routing.topk_idx), routing.topk_weight, layer.physical_experts, None)
+    keep = _capacity_keep(layer, plan, routing, tokens)
+    weights = routing.topk_weight.reshape(-1).index_select(0, plan.order)
+    out_dtype = torch.promote_types(flat.dtype, torch.float32)
+    meta_dtype = torch.promote_types(weights.dtype, torch.float32)  # router weights at full precision
+    chunks = [_Chunk(layer, plan, keep, weights, lo, hi, meta_dtype)
+              for lo, hi in _chunk_bounds(tokens, max(1, layer.overlap_chunks))]
+    overlap = len(chunks) > 1 and not layer.sync_exchanges
+    laps.lap("route_s")
+
+    # every chunk's row counts in one exchange: (P, n) sent -> (P, n) received
+    recv_counts = laps.blocked(exchange_counts, torch.stack([c.send_counts for c in chunks], dim=1), group)
+    for i, chunk in enumerate(chunks):
+        chunk.send_splits, chunk.recv_splits = chunk.send_counts.tolist(), recv_counts[:, i].tolist()
+        chunk.start_dispatch(flat, group)
+        if not overlap:
+            laps.blocked(chunk.received, hidden)
+    laps.lap("dispatch_s")
+    y = torch.zeros(tokens, hidden, dtype=out_dtype)
+    computed_rows = 0
+    for part, i in _schedule(len(chunks)):
+        chunk = chunks[i]
+        if part == "local":
+            rows, meta = flat.index_select(0, chunk.local_token), chunk.local_meta
+        else:
+            rows, meta = laps.blocked(chunk.received, hidden)
+            laps.lap("dispatch_s")
+        out = _run_local_experts(layer, rows, meta, out_dtype)
+        computed_rows += int((meta[:, k:] >= 0).sum())
+        if part == "local":
+            y.index_add_(0, chunk.local_token, out)  # in place: y is a fresh buffer, no copy per chunk
+            laps.lap("experts_s")
+            continue
+        laps.lap("experts_s")
+        chunk.combine = start_all_to_all(out.to(flat.dtype), chunk.recv_splits, chunk.send_splits, group)
+        if not overlap:
+            laps.blocked(chunk.combine.result)
+        laps.lap("combine_s")
+    for chunk in chunks:
+        y.index_add_(0, chunk.remote_token, laps.blocked(chunk.combine.result).to(out_dtype))
+    laps.lap("combine_s")
+    row_bytes = hidden * flat.element_size() + 2 * k * meta_dtype.itemsize
+    timings = dict(laps, dispatch_bytes=sum(c.remote_token.numel() for c in chunks) * row_bytes)
     layer.last_stats = _stats(layer, routing, plan, keep, computed_rows, timings)
     return y
 
 
 def _stats(layer, routing, plan, keep, received_rows, timings):
-    """Global per-expert counts (one all-reduce), rows per rank (one all-gather), this rank's timings."""
+    """Global per-expert counts (one all-reduce), rows and expert seconds per rank (one all-gather), timings."""
     from .layer import MoEStats
 
     group, world = layer.group, layer.ep_size
@@ -167,9 +242,13 @@ def _stats(layer, routing, plan, keep, received_rows, timings):
     counts = torch.cat([routed_per_expert, kept_per_expert])
     dist.all_reduce(counts, group=group)
     routed, kept = counts[: layer.num_experts], counts[layer.num_experts :]
-    per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(per_rank, torch.tensor([received_rows], dtype=torch.int64), group=group)
-    per_rank = torch.cat(per_rank)
+    # every rank's (rows computed, expert seconds): the straggler is the rank whose experts finish last
+    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([received_rows, timings["experts_s"]], dtype=torch.float64), group=group)
+    gathered = torch.stack(gathered)
+    per_rank = gathered[:, 0].long()
+    timings["experts_s_per_rank"] = gathered[:, 1].tolist()
+    timings["straggler_s"] = float(gathered[:, 1].max()) - timings["experts_s"]
     mean, rank_mean = routed.float().mean(), per_rank.float().mean()
     return MoEStats(
         tokens_per_expert=kept,

@@ -27,8 +27,12 @@ class MoEStats:
     Expert parallelism adds (else None): tokens_per_rank (P,) assignments each rank's
     experts computed (dropped ones never travel), rank_imbalance (max / mean of those),
     and ``timings``: seconds in route / dispatch / experts / combine on this rank
-    (``combine_s`` includes the wait for the slowest rank, the straggler) and
-    ``dispatch_bytes`` sent to other ranks.  Under expert parallelism the per-expert
+    (``dispatch_s`` packs and sends rows, ``combine_s`` brings them home; ``wait_s``
+    is the part of all phases spent blocked on an exchange, the wait for slower
+    ranks included: the exposed communication), ``experts_s_per_rank`` (P,) every rank's
+    expert seconds, ``straggler_s`` how long this rank's experts finish before
+    the slowest rank's (what it waits for the straggler), and ``dispatch_bytes``
+    sent to other ranks.  Under expert parallelism the per-expert
     counts are global (summed over ranks) and dropped_* count this rank's tokens.
     """
 
@@ -53,6 +57,8 @@ class MoELayer(nn.Module):
     group: expert-parallel process group (None or size 1 = all experts local); each
     rank then holds num_experts / P experts and exchanges tokens by all-to-all.
     overlap_chunks: micro-batches pipelined through the exchanges (expert parallelism).
+    Setting ``sync_exchanges = True`` keeps the chunks but waits for each exchange at once
+    (the same work without overlap: what benchmarks compare against).
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class MoELayer(nn.Module):
         if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
         self.overlap_chunks = overlap_chunks
+        self.sync_exchanges = False
         self.router = Router(hidden_size, num_experts, top_k, router, normalize_topk, n_group, topk_group,
                              routed_scaling_factor)
         self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size)
