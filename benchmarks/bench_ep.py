@@ -155,6 +155,8 @@ def summarize(rows):
                 entry.update({k: max(r[k] for r in sel) for k in PHASES})
                 entry["exchange_s"] = max(r["dispatch_s"] + r["combine_s"] for r in sel)
                 entry["exposed_s"] = max(r["exposed_s"] for r in sel)
+                slowest = max(sel, key=lambda r: r["seconds"])
+                entry["slowest_rank"] = {k: slowest[k] for k in ("rank", *PHASES)}
                 entry["rank_imbalance"] = sel[0]["rank_imbalance"]
                 entry["bytes_over_minimum"] = (sum(r["dispatch_bytes"] for r in sel)
                                                / max(1, sum(r["min_bytes"] for r in sel)))
@@ -182,7 +184,7 @@ def main():
     rows = [r for rank_rows in per_rank for r in rank_rows]
     summary = summarize(rows)
     for key, value in summary.items():
-        print(f"{key:32s} " + ", ".join(f"{k}={v:.4g}" for k, v in value.items()))
+        print(f"{key:32s} " + ", ".join(f"{k}={v:.4g}" for k, v in value.items() if not isinstance(v, dict)))
     write_results("ep", {"config": dict(T_per_rank=T, hidden=HIDDEN, ffn=FFN, experts=E, top_k=K, world_size=WORLD,
                                         dtype="float32", rounds=args.rounds),
                          "rows": rows, "summary": summary}, plot, summary)
@@ -191,10 +193,10 @@ def main():
 def plot(summary, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    keys = [k for k, v in summary.items() if "experts_s" in v]
+    keys = [k for k, v in summary.items() if "slowest_rank" in v]
     bottom = [0.0] * len(keys)
     for phase, color in zip(("route_s", "dispatch_s", "experts_s", "combine_s"), ("C7", "C3", "C0", "C1")):
-        values = [summary[k][phase] for k in keys]
+        values = [summary[k]["slowest_rank"][phase] for k in keys]
         axes[0].bar(keys, values, bottom=bottom, color=color, label=phase[:-2] + " (slowest rank)")
         bottom = [b + v for b, v in zip(bottom, values)]
     axes[0].scatter(keys, [summary[k]["seconds"] for k in keys], color="k", zorder=3, label="layer time")
@@ -207,8 +209,9 @@ def plot(summary, path):
                       if f"{routing}/overlap_{n}" in summary]
             axes[1].plot(*zip(*points), marker=marker, ls=style, label=f"{routing}: {metric.replace('_', ' ')}")
     axes[1].axhline(0.5, color="k", lw=0.8, ls="--")
+    top = max(v.get(m, 0.0) for v in summary.values() for m in ("hidden_fraction", "wall_clock_hidden"))
     axes[1].set(title="share of the exchange hidden by overlap", xlabel="overlap_chunks", xticks=list(CHUNKS),
-                ylim=(0, 1.05))
+                ylim=(0, max(1.05, top + 0.05)))
     axes[1].legend(fontsize=8)
     skew = [k for k in keys if k.startswith("skewed/")]
     axes[2].bar(skew, [summary[k]["rank_imbalance"] for k in skew], color="C2")

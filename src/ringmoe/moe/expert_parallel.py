@@ -44,23 +44,24 @@ __all__ = ["expert_parallel_forward"]
 def _capacity_keep(layer, plan, routing, tokens) -> torch.Tensor:
     """Bool (N,) over ``plan.order``: which assignments the experts' owners keep."""
     if layer.capacity_factor is None:
-        return torch.ones(plan.order.numel(), dtype=torch.bool)
+        return torch.ones(plan.order.numel(), dtype=torch.bool, device=plan.order.device)
     # replicas need dropless (the layer rejects capacity with them), so plan ids are one per expert here
     group, world, local = layer.group, layer.ep_size, layer.local_experts
-    total_tokens = torch.tensor([tokens], dtype=torch.int64)
+    device = plan.order.device
+    total_tokens = torch.tensor([tokens], dtype=torch.int64, device=device)
     dist.all_reduce(total_tokens, group=group)
     capacity = capacity_for(layer.capacity_factor, int(total_tokens), layer.top_k, layer.num_experts)
     send_counts = plan.routed.view(world, local)
     recv_counts = exchange_counts(send_counts, group)
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     weights = routing.topk_weight.detach().reshape(-1).index_select(0, plan.order).float()
-    received = torch.empty(sum(recv_splits), dtype=torch.float32)
+    received = torch.empty(sum(recv_splits), dtype=torch.float32, device=device)
     dist.all_to_all_single(received, weights.contiguous(), recv_splits, send_splits, group=group)
-    local_expert = torch.repeat_interleave(torch.arange(local).repeat(world), recv_counts.reshape(-1))
+    local_expert = torch.repeat_interleave(torch.arange(local, device=device).repeat(world), recv_counts.reshape(-1))
     owner_plan = plan_dispatch(local_expert.view(-1, 1), received.view(-1, 1), local, capacity)
-    flags = torch.zeros(received.numel(), dtype=torch.float32)
+    flags = torch.zeros(received.numel(), dtype=torch.float32, device=device)
     flags[owner_plan.order] = 1.0
-    home = torch.empty(plan.order.numel(), dtype=torch.float32)
+    home = torch.empty(plan.order.numel(), dtype=torch.float32, device=device)
     dist.all_to_all_single(home, flags, send_splits, recv_splits, group=group)
     return home > 0
 
@@ -74,7 +75,9 @@ def _to_replicas(layer, topk_idx: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=layer.num_experts)
     rank_in_expert = torch.empty_like(flat)
-    rank_in_expert[order] = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    table, copies = table.to(flat.device), copies.to(flat.device)
     return table[flat, rank_in_expert % copies[flat]].view_as(topk_idx)
 
 
@@ -100,10 +103,13 @@ class _Chunk:
         per_pair = torch.bincount(pair_of, minlength=pairs.numel())
         order = torch.argsort(pair_of, stable=True)
         slot = torch.empty_like(pair_of)
-        slot[order] = torch.arange(pair_of.numel()) - (torch.cumsum(per_pair, 0) - per_pair)[pair_of[order]]
-        ids = torch.full((pairs.numel(), k), -1.0, dtype=meta_dtype)
+        device = tok.device
+        starts = torch.cumsum(per_pair, 0) - per_pair
+        slot[order] = torch.arange(pair_of.numel(), device=device) - starts[pair_of[order]]
+        ids = torch.full((pairs.numel(), k), -1.0, dtype=meta_dtype, device=device)
         ids = ids.index_put((pair_of, slot), (phys % local).to(meta_dtype))
-        w = torch.zeros(pairs.numel(), k, dtype=meta_dtype).index_put((pair_of, slot), weights[sel].to(meta_dtype))
+        w = torch.zeros(pairs.numel(), k, dtype=meta_dtype, device=device)
+        w = w.index_put((pair_of, slot), weights[sel].to(meta_dtype))
         meta = torch.cat([w, ids], dim=1)  # the router weights keep their gradient
         mine = pair_dest == layer.ep_rank
         self.local_token, self.local_meta = pair_token[mine], meta[mine]
@@ -141,12 +147,15 @@ def _run_local_experts(layer, rows: torch.Tensor, meta: torch.Tensor, out_dtype)
                                 torch.bincount(expert_of, minlength=layer.local_experts).tolist())
     weighted = out.to(out_dtype) * meta[row_idx, slot_idx].to(out_dtype).unsqueeze(-1)
     # in place on a fresh buffer: autograd only needs the index to send gradients back to ``weighted``
-    return torch.zeros(rows.shape[0], out.shape[-1], dtype=out_dtype).index_add_(0, row_idx, weighted)
+    summed = torch.zeros(rows.shape[0], out.shape[-1], dtype=out_dtype, device=rows.device)
+    return summed.index_add_(0, row_idx, weighted)
 
 
-def _schedule(chunks: int) -> list[tuple[str, int]]:
-    """Compute order.  Each chunk's own rows run while its dispatch travels; for the last chunk the order
-    flips, so its own rows run while the last combine travels.  n chunks: nothing has to wait but latency."""
+def compute_order(chunks: int) -> list[tuple[str, int]]:
+    """[(part, chunk)], part "local" (rows this rank routed to its own experts) or "remote" (received rows).
+
+    Each chunk's own rows run while its dispatch travels; for the last chunk the order flips, so its own
+    rows run while the last combine travels.  The cost model (``ringmoe.sim``) schedules the same order."""
     steps = [(part, i) for i in range(chunks) for part in ("local", "remote")]
     if chunks > 1:
         steps[-2:] = steps[-2:][::-1]
@@ -177,7 +186,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
     """flat (T, H) this rank's tokens -> (T, H) float32 (float64 stays): the weighted expert outputs.
 
     overlap_chunks = 1 runs the exchanges synchronously (dispatch, compute, combine); n > 1 sends every
-    chunk's dispatch at once and computes in ``_schedule`` order, each combine leaving as its chunk is done.
+    chunk's dispatch at once and computes in ``compute_order``, each combine leaving as its chunk is done.
     ``layer.sync_exchanges`` waits for every exchange as soon as it starts: the same chunks without overlap.
     """
     group, hidden, tokens, k = layer.group, flat.shape[-1], flat.shape[0], layer.top_k
@@ -200,9 +209,9 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
         if not overlap:
             laps.blocked(chunk.received, hidden)
     laps.lap("dispatch_s")
-    y = torch.zeros(tokens, hidden, dtype=out_dtype)
+    y = torch.zeros(tokens, hidden, dtype=out_dtype, device=flat.device)
     computed_rows = 0
-    for part, i in _schedule(len(chunks)):
+    for part, i in compute_order(len(chunks)):
         chunk = chunks[i]
         if part == "local":
             rows, meta = flat.index_select(0, chunk.local_token), chunk.local_meta
@@ -234,7 +243,8 @@ def _stats(layer, routing, plan, keep, received_rows, timings):
     from .layer import MoEStats
 
     group, world = layer.group, layer.ep_size
-    kept_tokens = torch.zeros(routing.topk_idx.shape[0], dtype=torch.bool)
+    device = plan.order.device
+    kept_tokens = torch.zeros(routing.topk_idx.shape[0], dtype=torch.bool, device=device)
     kept_tokens[plan.token[keep]] = True
     logical = routing.topk_idx.reshape(-1).index_select(0, plan.order)
     routed_per_expert = torch.bincount(logical, minlength=layer.num_experts)
@@ -243,9 +253,10 @@ def _stats(layer, routing, plan, keep, received_rows, timings):
     dist.all_reduce(counts, group=group)
     routed, kept = counts[: layer.num_experts], counts[layer.num_experts :]
     # every rank's (rows computed, expert seconds): the straggler is the rank whose experts finish last
-    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor([received_rows, timings["experts_s"]], dtype=torch.float64), group=group)
-    gathered = torch.stack(gathered)
+    gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
+    mine = torch.tensor([received_rows, timings["experts_s"]], dtype=torch.float64, device=device)
+    dist.all_gather(gathered, mine, group=group)
+    gathered = torch.stack(gathered).cpu()
     per_rank = gathered[:, 0].long()
     timings["experts_s_per_rank"] = gathered[:, 1].tolist()
     timings["straggler_s"] = float(gathered[:, 1].max()) - timings["experts_s"]

@@ -32,7 +32,8 @@ class MoEStats:
     ranks included: the exposed communication), ``experts_s_per_rank`` (P,) every rank's
     expert seconds, ``straggler_s`` how long this rank's experts finish before
     the slowest rank's (what it waits for the straggler), and ``dispatch_bytes``
-    sent to other ranks.  Under expert parallelism the per-expert
+    sent to other ranks.  Timings are host wall-clock seconds: on CUDA, where kernels run
+    asynchronously, they time launches and waits, not kernels.  Under expert parallelism the per-expert
     counts are global (summed over ranks) and dropped_* count this rank's tokens.
     """
 
@@ -153,16 +154,16 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def load_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Fill this rank's expert slots from the logical weights gate_up (E, 2F, H), down (E, H, F)."""
-        index = torch.tensor(self.slot_experts)
+        index = torch.tensor(self.slot_experts, device=gate_up.device)
         self.experts.gate_up.copy_(gate_up.index_select(0, index))
-        self.experts.down.copy_(down.index_select(0, index))
+        self.experts.down.copy_(down.index_select(0, index.to(down.device)))
 
     @torch.no_grad()
     def sync_replica_grads(self) -> None:
         """Sum the gradients of every replica of an expert over the group, so the copies stay identical."""
         if self.replica_plan is None:
             return
-        index = torch.tensor(self.slot_experts)
+        index = torch.tensor(self.slot_experts, device=self.experts.gate_up.device)
         for param in (self.experts.gate_up, self.experts.down):
             if param.grad is None:
                 continue

@@ -61,11 +61,16 @@ def profile_from_measurements(m: Measurements, name: str = "this-machine") -> Ha
     )
 
 
+# the GEMM shapes of projections and experts (rows x inner x outer): wide and narrow ones, so the one fitted
+# rate averages over both (a narrow inner dimension runs slower on CPUs)
+MATMUL_SHAPES = ((1024, 512, 2048), (2048, 512, 2048), (4096, 512, 2048), (1024, 1024, 512), (2048, 256, 1024))
+
+
 def synthetic_measurements(hw: Hardware) -> Measurements:
     """The timings ``hw`` predicts for the sizes ``measure`` uses."""
     m = Measurements(call=hw.kernel_overhead + 2 * 16**3 / hw.matmul_flops)
-    for n in (1024, 2048, 4096):
-        flops = 2 * n * 512 * 2048
+    for rows, inner, outer in MATMUL_SHAPES:
+        flops = 2 * rows * inner * outer
         m.matmul.append((flops, hw.kernel_overhead + flops / hw.matmul_flops))
     for n in (1024, 2048, 4096):
         flops = 4 * 64 * 8 * n * n
@@ -123,9 +128,9 @@ def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
     m = Measurements()
     small = torch.randn(16, 16)
     m.call = timed(lambda: small @ small)
-    for n in (1024, 2048, 4096):  # the GEMM shapes of projections and experts: tokens x hidden x ffn
-        a, b = torch.randn(n, 512), torch.randn(512, 2048)
-        m.matmul.append((2 * n * 512 * 2048, timed(lambda: a @ b)))
+    for rows, inner, outer in MATMUL_SHAPES:
+        a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+        m.matmul.append((2 * rows * inner * outer, timed(lambda: a @ b)))
     for n in (1024, 2048, 4096):
         q, k, v = (torch.randn(1, n, 8, 64) for _ in range(3))
         m.attention.append((4 * 64 * 8 * n * n, timed(lambda: flash_attn_func(q, k, v))))

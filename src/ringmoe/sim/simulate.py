@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model.config import ModelConfig
+from ..moe.expert_parallel import compute_order
 from ..parallel.layout import check_layout
 from .costs import (
     expert_flops_per_assignment,
@@ -162,6 +163,11 @@ class _Layer:
         expert_tasks = {r: [] for r in range(self.world)}
         dispatch_tasks = {r: [] for r in range(self.world)}
         sent_dispatch, sent_combine = [0.0] * self.world, [0.0] * self.world
+
+        def expert_seconds(assignments):
+            return (local_experts * hw.kernel_overhead + assignments * flops_per_assignment / hw.matmul_flops
+                    + assignments * bytes_per_assignment / hw.memory_bandwidth)
+
         for cp_rank in range(s.cp):
             group = [self.rank(cp_rank, e) for e in range(s.ep)]
 
@@ -177,23 +183,35 @@ class _Layer:
                             dispatch_tasks[src].append(task)
                 return arrivals
 
-            pending = dispatch(0)
+            def combine(chunk, owner, j, task, finished):
+                for dst in group:
+                    if dst != owner:
+                        sent_combine[owner] += rows[j] * back_bytes
+                        finished[dst].append(self.transfer(f"combine{chunk}:{owner}->{dst}", owner, dst,
+                                                           rows[j] * back_bytes, after=(task,)))
+
+            arrivals = [dispatch(chunk) for chunk in range(s.chunks)]  # every chunk's dispatch is sent at once
             finished = {r: [] for r in group}
-            for chunk in range(s.chunks):
-                upcoming = dispatch(chunk + 1) if chunk + 1 < s.chunks else None  # in flight during this chunk
+            if s.chunks == 1:  # no overlap: wait for the dispatch, compute everything, then combine
                 for j, owner in enumerate(group):
-                    seconds = (local_experts * hw.kernel_overhead + work[j] * flops_per_assignment / hw.matmul_flops
-                               + work[j] * bytes_per_assignment / hw.memory_bandwidth)
-                    task = self.compute(f"experts{chunk}:{owner}", owner, seconds, after=(router[owner], *pending[owner]))
+                    task = self.compute(f"experts0:{owner}", owner, expert_seconds(work[j]),
+                                        after=(router[owner], *arrivals[0][owner]))
                     expert_tasks[owner].append(task)
-                    for dst in group:
-                        if dst == owner:
-                            finished[dst].append(task)
+                    finished[owner].append(task)
+                    combine(0, owner, j, task, finished)
+            else:  # the implementation's order: own rows while remote rows travel, last chunk flipped
+                for part, chunk in compute_order(s.chunks):
+                    for j, owner in enumerate(group):
+                        own = work[j] / s.ep  # every rank routes the same number of tokens to an owner
+                        waits = () if part == "local" else tuple(arrivals[chunk][owner])
+                        task = self.compute(f"experts{chunk}{part}:{owner}", owner,
+                                            expert_seconds(own if part == "local" else work[j] - own),
+                                            after=(router[owner], *waits))
+                        expert_tasks[owner].append(task)
+                        if part == "local":
+                            finished[owner].append(task)
                         else:
-                            sent_combine[owner] += rows[j] * back_bytes
-                            finished[dst].append(self.transfer(f"combine{chunk}:{owner}->{dst}", owner, dst,
-                                                               rows[j] * back_bytes, after=(task,)))
-                pending = upcoming
+                            combine(chunk, owner, j, task, finished)
             for r in group:
                 done[r] = self.compute(f"sum{r}", r, 0.0, after=tuple(finished[r]))
         return done, expert_tasks, dispatch_tasks, sent_dispatch, sent_combine
