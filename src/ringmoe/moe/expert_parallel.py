@@ -210,7 +210,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
             laps.blocked(chunk.received, hidden)
     laps.lap("dispatch_s")
     y = torch.zeros(tokens, hidden, dtype=out_dtype, device=flat.device)
-    computed_rows = 0
+    computed_rows = torch.zeros((), dtype=torch.int64, device=flat.device)  # summed on the device: no sync
     for part, i in compute_order(len(chunks)):
         chunk = chunks[i]
         if part == "local":
@@ -219,7 +219,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
             rows, meta = laps.blocked(chunk.received, hidden)
             laps.lap("dispatch_s")
         out = _run_local_experts(layer, rows, meta, out_dtype)
-        computed_rows += int((meta[:, k:] >= 0).sum())
+        computed_rows = computed_rows + (meta[:, k:] >= 0).sum()
         if part == "local":
             y.index_add_(0, chunk.local_token, out)  # in place: y is a fresh buffer, no copy per chunk
             laps.lap("experts_s")
@@ -238,7 +238,7 @@ def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
     return y
 
 
-def _stats(layer, routing, plan, keep, received_rows, timings):
+def _stats(layer, routing, plan, keep, received_rows: torch.Tensor, timings):
     """Global per-expert counts (one all-reduce), rows and expert seconds per rank (one all-gather), timings."""
     from .layer import MoEStats
 
@@ -254,7 +254,7 @@ def _stats(layer, routing, plan, keep, received_rows, timings):
     routed, kept = counts[: layer.num_experts], counts[layer.num_experts :]
     # every rank's (rows computed, expert seconds): the straggler is the rank whose experts finish last
     gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
-    mine = torch.tensor([received_rows, timings["experts_s"]], dtype=torch.float64, device=device)
+    mine = torch.stack([received_rows.double(), torch.tensor(timings["experts_s"], dtype=torch.float64, device=device)])
     dist.all_gather(gathered, mine, group=group)
     gathered = torch.stack(gathered).cpu()
     per_rank = gathered[:, 0].long()
