@@ -88,6 +88,13 @@ def _query_tile(heads, group, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(X, b, h, sb, sh, sm, offs_m, offs_d, seqlen, HEAD_DIM: tl.constexpr):
+    """(mask, tile): rows offs_m of head h, zero past the sequence and the head dim."""
+    mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
+    return mask, tl.load(_rows(X, b, h, sb, sh, sm, offs_m, offs_d), mask=mask, other=0.0)
+
+
+@triton.jit
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at +-inf
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -144,8 +151,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     b, h, kvh, start_m, offs_m, offs_d = _query_tile(heads, group, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d), mask=q_mask, other=0.0)
+    q_mask, q = _load_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d, seqlen_q, HEAD_DIM)
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
 
@@ -280,8 +286,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     b, h, kvh, start_m, offs_m, offs_d = _query_tile(heads, group, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d), mask=q_mask, other=0.0)
+    q_mask, q = _load_rows(Q, b, h, sqb, sqh, sqm, offs_m, offs_d, seqlen_q, HEAD_DIM)
     do = tl.load(_rows(DO, b, h, sdb, sdh, sdm, offs_m, offs_d), mask=q_mask, other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + b * slb + h * slh + offs_m, mask=offs_m < seqlen_q, other=0.0)
