@@ -10,8 +10,8 @@ its timings, peak memory, ring attention statistics and MoE routing counts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -35,6 +35,7 @@ class DemoOptions:
     overlap_chunks: int = 2
     seed: int = 0
     check: bool = True
+    watchdog: float = 30.0  # seconds without progress before the job is stopped (0 = off)
 
     @property
     def rows(self) -> int:
@@ -48,21 +49,68 @@ def _config(options: DemoOptions):
     return config.replace(capacity_factor=options.capacity_factor, overlap_chunks=options.overlap_chunks)
 
 
-def validate(options: DemoOptions) -> None:
-    """Every option error, before any process starts."""
+def validate(options: DemoOptions, device_type: str = "cpu") -> None:
+    """Every option error, and a job too big for this machine, before any process starts."""
+    from .model import check_checkpoint
+    from .moe.layer import check_capacity_factor
     from .parallel.layout import check_layout
 
     for name in ("cp", "ep", "seqlen", "new_tokens", "overlap_chunks"):
         value = getattr(options, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+    try:
+        check_capacity_factor(options.capacity_factor)
+    except ValueError:
+        raise ValueError(f"--capacity-factor must be a finite number > 0 (omit it for dropless experts), "
+                         f"got {options.capacity_factor!r}") from None
     if options.cp > 1:
         check_layout(options.seqlen, options.cp, options.layout)
     if options.rows % options.ep:
         raise ValueError(f"--batch ({options.rows}) must be divisible by --ep ({options.ep})")
+    if options.checkpoint:
+        check_checkpoint(options.checkpoint)  # config, files and tensor shapes, headers only
     config = _config(options)
     if config.num_experts % options.ep:
         raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
+    check_fits(options, config, device_type)
+
+
+def memory_estimate(options: DemoOptions, config, cp: int, ep: int, rows: int) -> dict:
+    """Bytes one rank of a cp x ep mesh holds (weights, KV cache, activations) for this job, float32."""
+    from .sim.costs import memory_per_rank
+
+    local_rows = rows // ep
+    local_tokens = math.ceil(options.seqlen / cp)
+    cached = local_tokens + math.ceil(options.new_tokens / cp)
+    parts = memory_per_rank(config, cp, ep, local_rows, cached, 4, recv_rows=local_rows * local_tokens * config.top_k,
+                            chunks=options.overlap_chunks)
+    parts["kv_cache"] += parts.pop("kv_in_flight")
+    parts.pop("total")
+    return parts
+
+
+def check_fits(options: DemoOptions, config, device_type: str = "cpu") -> None:
+    """Refuse (ValueError) a job whose ranks (or single-process check) cannot fit in memory."""
+    from .resources import PROCESS_OVERHEAD_BYTES, require_memory
+
+    world = options.cp * options.ep
+    advice = "lower --seqlen, --batch or --new-tokens, or pick a smaller --preset"
+    per_rank = memory_estimate(options, config, options.cp, options.ep, options.rows)
+    ranks = 1 if device_type == "cuda" else world  # local ranks share this machine's memory; GPUs have their own
+    mesh = {name: ranks * value for name, value in per_rank.items()} | {"processes": ranks * PROCESS_OVERHEAD_BYTES}
+    require_memory(f"the {world}-rank job" if ranks > 1 else "each rank", mesh, advice=advice,
+                   available=_available(device_type))
+    if options.check:
+        single = memory_estimate(options, config, 1, 1, options.rows) | {"processes": PROCESS_OVERHEAD_BYTES}
+        require_memory("the single-process check", single, advice=advice + " (or pass --no-check)",
+                       available=_available(device_type))
+
+
+def _available(device_type: str) -> int:
+    from .resources import available_memory_bytes
+
+    return available_memory_bytes(device_type)
 
 
 def _prompt(options: DemoOptions, vocab: int) -> torch.Tensor:
@@ -131,30 +179,25 @@ def _with_progress(console, title: str, fn, world: int, options: DemoOptions, th
     from .parallel.launch import spawn
 
     updates = mp.get_context("fork").Queue()
-    outcome: dict = {}
-
-    def target():
-        try:
-            outcome["value"] = spawn(fn, world, options, updates, threads_per_rank=threads, timeout=3600)
-        except BaseException as error:  # re-raised in the caller's thread
-            outcome["error"] = error
-
-    worker = threading.Thread(target=target)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
         tasks = {"prefill": bar.add_task(f"{title}: prefill layers", total=None),
                  "decode": bar.add_task(f"{title}: decode tokens", total=None)}
-        worker.start()
-        while worker.is_alive():
-            try:
-                phase, done, total = updates.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            bar.update(tasks[phase], completed=done, total=total)
-        worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+
+        def refresh():
+            while True:
+                try:
+                    phase, done, total = updates.get_nowait()
+                except queue.Empty:
+                    return
+                bar.update(tasks[phase], completed=done, total=total)
+
+        try:
+            return spawn(fn, world, options, updates, threads_per_rank=threads, timeout=None,
+                         stall_timeout=options.watchdog or None, on_poll=refresh)
+        finally:
+            updates.close()
+            updates.cancel_join_thread()
 
 
 def _compare(ranks: list[dict], reference: dict) -> tuple[bool, float]:
@@ -213,6 +256,14 @@ def print_report(console, options: DemoOptions, config, ranks: list[dict], refer
     return ok
 
 
+def _estimate_line(options: DemoOptions, config) -> str:
+    from .resources import gib
+
+    per_rank = memory_estimate(options, config, options.cp, options.ep, options.rows)
+    return (f"{gib(sum(per_rank.values()))} per rank ("
+            + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in per_rank.items()) + ")")
+
+
 def run_demo(options: DemoOptions, threads_per_rank: int = 1) -> bool:
     """Spawn the mesh locally, run the single-process check, print the report; True when exact."""
     from rich.console import Console
@@ -220,6 +271,7 @@ def run_demo(options: DemoOptions, threads_per_rank: int = 1) -> bool:
     validate(options)
     console = Console()
     config = _config(options)
+    console.print(f"[dim]memory estimate: {_estimate_line(options, config)}")
     world = options.cp * options.ep
     reference = None
     if options.check:
@@ -235,7 +287,7 @@ def run_demo_torchrun(options: DemoOptions) -> bool:
 
     from .parallel.launch import init_from_env
 
-    validate(options)
+    validate(options, "cuda" if torch.cuda.is_available() else "cpu")
     rank, world = init_from_env()
     if world != options.cp * options.ep:
         raise ValueError(f"torchrun started {world} processes; --cp x --ep is {options.cp * options.ep}")
@@ -258,9 +310,15 @@ def attention_showcase(seqlen: int, seed: int) -> bool:
     from . import flash_attn_func
     from .attention import AttentionSpec, attention_reference
 
+    from .resources import require_memory
+
+    b, n, h, hkv, d = 1, seqlen, 8, 2, 64
+    # the float64 oracle materialises (B, H, N, N) scores, exponentials and probabilities
+    require_memory(f"attention --seqlen {seqlen}", {"float64 oracle": 3 * 8 * b * h * n * n,
+                                                    "inputs and outputs": 40 * b * n * h * d},
+                   advice="the exactness check materialises N x N scores: lower --seqlen")
     console = Console()
     gen = torch.Generator().manual_seed(seed)
-    b, n, h, hkv, d = 1, seqlen, 8, 2, 64
     q = torch.randn(b, n, h, d, generator=gen)
     k = torch.randn(b, n, hkv, d, generator=gen)
     v = torch.randn(b, n, hkv, d, generator=gen)
@@ -279,6 +337,7 @@ def attention_showcase(seqlen: int, seed: int) -> bool:
         ok &= err_out < 1e-4 and err_lse < 1e-4
         table.add_row(backend, f"{err_out:.2e}", f"{err_lse:.2e}", f"{ms:.1f}")
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)))
+    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # warm-up, like the others
     start = time.perf_counter()
     torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     table.add_row("torch SDPA (peer)", "-", "-", f"{(time.perf_counter() - start) * 1e3:.1f}")

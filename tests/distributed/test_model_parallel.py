@@ -99,3 +99,22 @@ def _mesh_mismatch_rank(rank, world):
 def test_mesh_must_cover_the_world():
     with pytest.raises(RankFailed, match=r"world size 2 must equal cp \* ep"):
         spawn(_mesh_mismatch_rank, 2, timeout=60)
+
+
+def _dtype_rank(rank, world, cp, ep, dtype):
+    """Prefill logits of 4 sequences on the mesh in ``dtype`` (float64 weights rounded to it)."""
+    mesh = make_mesh(cp, ep)
+    model = MoETransformer(CONFIG, mesh).double()
+    model.init_weights(7, std=0.1)
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 48), generator=torch.Generator().manual_seed(3))
+    return generate(model.to(dtype), ids, 1, return_logits=True).logits.double()
+
+
+def test_bfloat16_mesh_is_within_twice_the_one_process_bfloat16_error():
+    """bf16 is not bitwise across meshes (the sum order differs): its error vs float64 obeys flash-attn's rule."""
+    oracle = spawn(_dtype_rank, 1, 1, 1, torch.float64, timeout=60)[0]
+    single = spawn(_dtype_rank, 1, 1, 1, torch.bfloat16, timeout=60)[0]
+    mesh = spawn(_dtype_rank, 4, 2, 2, torch.bfloat16, timeout=120)[0]
+    single_err = (single - oracle).abs().max().item()
+    mesh_err = (mesh - oracle).abs().max().item()
+    assert 0 < mesh_err <= 2 * single_err, (mesh_err, single_err)

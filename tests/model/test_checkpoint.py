@@ -91,8 +91,10 @@ def test_refuses_pickles_and_reports_what_is_missing(tmp_path):
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pickled"):
         load_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="nowhere' does not exist"):
         load_config(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="no config.json"):
+        load_config(tmp_path / "..")
 
 
 def test_config_from_hf_rejects_what_is_not_implemented():

@@ -73,6 +73,8 @@ def check_qkv(q, k, v, *, varlen: bool = False) -> None:
         raise ValueError(f"k head_dim {k.shape[-1]} != q head_dim {head_dim}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if heads < 1:
+        raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads}) (GQA/MQA)")
 

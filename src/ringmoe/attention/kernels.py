@@ -53,7 +53,8 @@ def _reference_backward(dout, q, k, v, out, lse, spec, dlse=None):
         if dlse is not None:
             outputs.append(l)
             grads.append(torch.where(torch.isinf(l), torch.zeros_like(l), dlse.to(l.dtype)))
-        return torch.autograd.grad(outputs, leaves, grads)
+        grads = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)  # no keys: k, v unused
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
 
 
 def _triton_unsupported(q, k, spec):

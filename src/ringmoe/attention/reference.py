@@ -29,6 +29,11 @@ def attention_reference(
     """
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    if seqlen_k == 0:  # no keys at all: every row sees none
+        # a sum over an empty slice: zeros that stay in q's graph (its gradient is zero, never NaN)
+        out = q.to(compute_dtype)[..., :0].sum(-1, keepdim=True).expand(batch, seqlen_q, heads, v.shape[-1])
+        lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=compute_dtype, device=q.device)
+        return out, lse
     group = heads // kv_heads
     qh = q.to(compute_dtype).transpose(1, 2)  # (B, H, Sq, D)
     kh = k.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)

@@ -1,9 +1,9 @@
 """The MoE transformer on a cp x ep mesh: config and presets, model, checkpoint loading, generation."""
 
-from .checkpoint import LoadReport, load_checkpoint, load_config, load_weights
+from .checkpoint import LoadReport, check_checkpoint, load_checkpoint, load_config, load_weights
 from .config import PRESETS, ModelConfig, config_from_hf, preset
 from .generate import Generation, ShardedKVCache, generate
 from .transformer import MoETransformer
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf", "MoETransformer", "load_checkpoint",
-           "load_config", "load_weights", "LoadReport", "generate", "Generation", "ShardedKVCache"]
+           "load_config", "load_weights", "check_checkpoint", "LoadReport", "generate", "Generation", "ShardedKVCache"]

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
+from ..jsonio import read_json
 from ..parallel.mesh import Mesh
 from .config import ModelConfig, config_from_hf
 from .transformer import MoETransformer
 
-__all__ = ["load_config", "load_checkpoint", "load_weights", "LoadReport"]
+__all__ = ["load_config", "load_checkpoint", "load_weights", "check_checkpoint", "LoadReport"]
 
 _MOE = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
 _ROUTER = re.compile(_MOE + r"gate\.weight$")
@@ -42,50 +43,112 @@ class LoadReport:
 
 def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist" if not path.exists()
+                         else f"checkpoint {str(path)!r} is not a directory")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"checkpoint directory {str(path)!r} has no config.json")
-    return config_from_hf(json.loads(config_file.read_text()))
+    try:
+        return config_from_hf(read_json(config_file))
+    except KeyError as missing:
+        raise ValueError(f"{str(config_file)!r} lacks the field {missing}") from None
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{str(config_file)!r}: {error}") from None
+
+
+def _open_safetensors(file: Path):
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise ValueError(f"checkpoint shard {str(file)!r} is missing")
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as error:  # safetensors raises its own error type for corrupt headers
+        raise ValueError(f"{str(file)!r} is not a valid safetensors file ({error})") from None
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index of a sharded checkpoint or the single file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{str(index)!r} has no weight_map of tensor names to files")
+        for file in sorted(set(weight_map.values())):
+            if not (path / file).is_file():
+                raise ValueError(f"{str(index)!r} points at {file!r}, which is missing from {str(path)!r}")
         return {name: path / file for name, file in weight_map.items()}
     single = path / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise ValueError(f"{str(path)!r} holds only pickled weights (.bin/.pt); ringmoe loads safetensors only")
+        raise ValueError(f"{str(path)!r} holds only pickled weights (.bin/.pt); ringmoe loads safetensors only "
+                         f"(convert with transformers: model.save_pretrained(dir, safe_serialization=True))")
     raise ValueError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json")
 
 
-@torch.no_grad()
-def load_weights(model: MoETransformer, path: str | Path) -> LoadReport:
-    """Copy the checkpoint's tensors into ``model`` (its own experts only). Returns what was read."""
-    from safetensors import safe_open
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """Validate a checkpoint without reading its weights: config, files, and every tensor's shape.
 
+    Builds the whole model on the meta device (no memory) and runs the loader in dry-run mode,
+    which reads only safetensors headers.  Raises ValueError naming the file or tensor at fault.
+    """
+    config = load_config(path)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    load_weights(model, path, dry_run=True)
+    return config
+
+
+def _expect_shape(name: str, tensor: torch.Tensor, shape) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
+                         f"{tuple(shape)}")
+
+
+@torch.no_grad()
+def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False) -> LoadReport:
+    """Copy the checkpoint's tensors into ``model`` (its own experts only). Returns what was read.
+
+    dry_run: read only the headers (tensor shapes) and check them; nothing is copied.
+    Raises ValueError naming the tensor or file that does not fit the model's config.
+    """
     path = Path(path)
     files = _tensor_files(path)
     params = dict(model.named_parameters())
     expert_params = model.expert_parameters()
+    config = model.config
+    h, f = config.hidden_size, config.ffn_size
     report = LoadReport()
     filled: set[str] = set()
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, gate|up|down) -> expert -> weight
     with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in set(files.values())}
+        handles = {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())}
 
         def read(name, index=None):
             handle = handles[files[name]]
-            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+            if dry_run:
+                shape = handle.get_slice(name).get_shape()
+                if index is not None:
+                    if not shape or not 0 <= index < shape[0]:
+                        raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(shape)} has no expert {index}")
+                    shape = shape[1:]
+                return torch.empty(shape, device="meta")
+            try:
+                tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+            except Exception as error:  # truncated data behind a valid header
+                raise ValueError(f"cannot read tensor {name!r} from {str(files[name])!r}: {error}") from None
             report.tensors.append(name if index is None else f"{name}[{index}]")
             report.bytes_read += tensor.numel() * tensor.element_size()
             return tensor
+
+        def layer_of(name, number):
+            if not 0 <= number < config.num_layers:
+                raise ValueError(f"checkpoint tensor {name!r} belongs to layer {number}, but config.json has "
+                                 f"{config.num_layers} layers")
+            return model.layers[number]
 
         for name in files:
             short = name.removeprefix("model.")
@@ -93,20 +156,27 @@ def load_weights(model: MoETransformer, path: str | Path) -> LoadReport:
                 short = f"layers.{m.group(1)}.mlp.router.weight"
             if (m := _EXPERT.search(short)) is not None:
                 layer, expert, kind = int(m.group(1)), int(m.group(2)), _ROLE[m.group(3)]
-                if expert in model.layers[layer].mlp.slot_experts:
-                    experts.setdefault((layer, kind), {})[expert] = read(name)
+                if expert in layer_of(name, layer).mlp.slot_experts:
+                    weight = read(name)
+                    _expect_shape(name, weight, (h, f) if kind == "down" else (f, h))
+                    experts.setdefault((layer, kind), {})[expert] = weight
             elif (m := _FUSED.search(short)) is not None:
                 layer, kind = int(m.group(1)), m.group(2)
-                for expert in model.layers[layer].mlp.slot_experts:
+                for expert in layer_of(name, layer).mlp.slot_experts:
                     weight = read(name, expert)
                     if kind == "down_proj":
+                        _expect_shape(f"{name}[{expert}]", weight, (h, f))
                         experts.setdefault((layer, "down"), {})[expert] = weight
                     else:
+                        _expect_shape(f"{name}[{expert}]", weight, (2 * f, h))
                         gate, up = weight.chunk(2, dim=0)
                         experts.setdefault((layer, "gate"), {})[expert] = gate
                         experts.setdefault((layer, "up"), {})[expert] = up
             elif short in params and short not in expert_params:
-                params[short].copy_(read(name))
+                weight = read(name)
+                _expect_shape(name, weight, params[short].shape)
+                if not dry_run:
+                    params[short].copy_(weight)
                 filled.add(short)
     if model.config.tie_word_embeddings:
         filled.add("lm_head.weight")
@@ -117,8 +187,9 @@ def load_weights(model: MoETransformer, path: str | Path) -> LoadReport:
             down = [experts[(index, "down")][e] for e in layer.mlp.slot_experts]
         except KeyError as missing:
             raise ValueError(f"checkpoint lacks the weights of layer {index}'s expert {missing}") from None
-        layer.mlp.experts.gate_up.copy_(torch.cat([torch.stack(gate), torch.stack(up)], dim=1))
-        layer.mlp.experts.down.copy_(torch.stack(down))
+        if not dry_run:
+            layer.mlp.experts.gate_up.copy_(torch.cat([torch.stack(gate), torch.stack(up)], dim=1))
+            layer.mlp.experts.down.copy_(torch.stack(down))
         filled.update(f"layers.{index}.mlp.experts.{p}" for p in ("gate_up", "down"))
     missing = sorted(set(params) - filled)
     if missing:

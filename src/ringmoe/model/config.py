@@ -51,6 +51,9 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        from ..moe.layer import check_capacity_factor
+
+        check_capacity_factor(self.capacity_factor)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..attention import decode_attention, merge_attention
 from ..parallel.layout import shard
 from ..parallel.ring import RingStats
+from ..parallel.watchdog import activity
 from .transformer import MoETransformer
 
 __all__ = ["ShardedKVCache", "generate", "Generation"]
@@ -56,7 +57,8 @@ class ShardedKVCache:
 
 @dataclass
 class Generation:
-    """tokens (B, new) int64 and, if asked, logits (B, new, vocab) float32 of every step (all rows, every rank).
+    """tokens (B, new) int64 and, if asked, logits (B, new, vocab) float32 of every step (all rows, every rank);
+    new < max_new_tokens when every row ended early at an end-of-sequence token.
 
     Timings are this rank's; ring holds the prefill's per-step ring statistics;
     moe the prefill's MoEStats per layer.
@@ -83,6 +85,23 @@ def _merge_across(group, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return merged
 
 
+def _eos_ids(eos_token_id, vocab_size: int) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"eos_token_id must be a token id (or a list of them) in [0, {vocab_size}), got {eos_token_id!r}")
+    return torch.tensor(ids)
+
+
+def _all_rows_finished(mesh, finished: torch.Tensor) -> bool:
+    """True on every rank when every row of the whole batch has finished (one all-reduce over the mesh)."""
+    pending = (~finished).sum().reshape(1).to(torch.int64)
+    if mesh.size > 1:
+        dist.all_reduce(pending)  # the mesh spans the default group
+    return int(pending) == 0
+
+
 def _gather_rows(group, x: torch.Tensor) -> torch.Tensor:
     if group is None:
         return x
@@ -93,19 +112,24 @@ def _gather_rows(group, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, return_logits: bool = False,
-             progress=None) -> Generation:
+             progress=None, eos_token_id: int | list[int] | None = None) -> Generation:
     """Greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
 
     prompt (B, S) int64, the same full tensor on every rank; B divisible by the
-    mesh's ep, S valid for the model's layout and cp (zigzag: S % (2 cp) == 0).
+    mesh's ep, S >= 1 valid for the model's layout and cp (zigzag: S % (2 cp) == 0).
     Returns the same Generation on every rank, equal to single-device greedy
-    decoding.  progress(phase, done, total) is called after each layer of the
-    prefill and each decoded token (for progress bars).
+    decoding.  eos_token_id: a row that produces one of these ids is finished; its later
+    positions hold the first id (as padding), and decoding stops early once every row of
+    the whole batch has finished.  progress(phase, done, total) is called after each layer
+    of the prefill and each decoded token (for progress bars).
     """
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
         raise ValueError(f"prompt must be an int64 tensor (batch, seqlen), got {getattr(prompt, 'shape', prompt)!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must hold at least one token per row, got shape {tuple(prompt.shape)}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    eos = _eos_ids(eos_token_id, model.config.vocab_size)
     mesh, config = model.mesh, model.config
     seqlen = prompt.shape[1]
     rows = prompt[mesh.batch_rows(prompt.shape[0])]
@@ -126,7 +150,8 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
         return out
 
     start = time.perf_counter()
-    hidden = model.hidden_states(local, positions, prefill_attend)
+    with activity("prefill"):
+        hidden = model.hidden_states(local, positions, prefill_attend)
     # the last prompt position lives on one rank of the cp group: share its hidden state
     last = (positions == seqlen - 1).nonzero()
     row = hidden[:, last[0, 0]].contiguous() if len(last) else torch.zeros_like(hidden[:, 0])
@@ -137,7 +162,12 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
     moe = model.moe_stats()
 
     start = time.perf_counter()
+    finished = torch.zeros(local.shape[0], dtype=torch.bool, device=prompt.device)
     for step in range(1, max_new_tokens):
+        if eos is not None:
+            finished |= torch.isin(logits[-1].argmax(-1), eos)
+            if _all_rows_finished(mesh, finished):
+                break
         position = seqlen + step - 1
         owner = position % mesh.cp
 
@@ -150,12 +180,18 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
             return out.to(q.dtype)
 
         token = logits[-1].argmax(-1, keepdim=True)
-        hidden = model.hidden_states(token, torch.tensor([position], device=prompt.device), decode_attend)
+        with activity(f"decode step {step}"):
+            hidden = model.hidden_states(token, torch.tensor([position], device=prompt.device), decode_attend)
         logits.append(model.lm_head(hidden[:, -1]).float())
         report("decode", step, max_new_tokens - 1)
     decode_s = time.perf_counter() - start
 
     all_logits = torch.stack(logits, dim=1)
-    tokens = _gather_rows(mesh.ep_group, all_logits.argmax(-1))
+    chosen = all_logits.argmax(-1)
+    if eos is not None:  # positions after a row's first end-of-sequence token are padding
+        hit = torch.isin(chosen, eos).int()
+        after = (hit.cumsum(1) - hit) > 0
+        chosen = chosen.masked_fill(after, int(eos[0]))
+    tokens = _gather_rows(mesh.ep_group, chosen)
     gathered = _gather_rows(mesh.ep_group, all_logits) if return_logits else None
     return Generation(tokens, gathered, prefill_s, decode_s, ring_stats, moe)

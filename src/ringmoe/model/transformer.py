@@ -24,6 +24,7 @@ from ..moe import MoELayer
 from ..parallel.layout import check_layout, positions as layout_positions
 from ..parallel.mesh import Mesh
 from ..parallel.ring import RingStats, ring_flash_attn_func
+from ..parallel.watchdog import activity
 from .config import ModelConfig
 
 __all__ = ["MoETransformer", "RMSNorm", "rope_tables", "apply_rope"]
@@ -160,8 +161,9 @@ class MoETransformer(nn.Module):
             attend = self.causal_attend(ring_stats)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attend)
+        for index, layer in enumerate(self.layers):
+            with activity(f"layer {index}"):
+                x = layer(x, cos, sin, attend)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

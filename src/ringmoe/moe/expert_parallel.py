@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..parallel.watchdog import activity
 from .dispatch import capacity_for, plan_dispatch
 from .exchange import exchange_counts, start_all_to_all
 from .router import load_balancing_loss, router_z_loss
@@ -183,6 +184,11 @@ class _Laps(dict):
 
 
 def expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
+    with activity("moe expert-parallel exchange"):
+        return _expert_parallel_forward(layer, flat, routing)
+
+
+def _expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor:
     """flat (T, H) this rank's tokens -> (T, H) float32 (float64 stays): the weighted expert outputs.
 
     overlap_chunks = 1 runs the exchanges synchronously (dispatch, compute, combine); n > 1 sends every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from .expert_parallel import expert_parallel_forward
 from .experts import SharedExpert, SwiGLUExperts
 from .router import Router, load_balancing_loss, router_z_loss
 
-__all__ = ["MoELayer", "MoEStats"]
+__all__ = ["MoELayer", "MoEStats", "check_capacity_factor"]
 
 
 @dataclass
@@ -47,6 +48,15 @@ class MoEStats:
     tokens_per_rank: torch.Tensor | None = None
     rank_imbalance: float | None = None
     timings: dict | None = None
+
+
+def check_capacity_factor(capacity_factor) -> None:
+    """None (dropless) or a finite number > 0; ValueError naming capacity_factor otherwise."""
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not math.isfinite(capacity_factor) or capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be a finite number > 0, or None (dropless), got {capacity_factor!r}")
 
 
 class MoELayer(nn.Module):
@@ -84,8 +94,7 @@ class MoELayer(nn.Module):
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+        check_capacity_factor(capacity_factor)
         self.group = group
         self.ep_size, self.ep_rank = 1, 0
         if group is not None:
@@ -128,6 +137,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size={self.hidden_size}), got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        if x.dtype != self.experts.gate_up.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's weights are {self.experts.gate_up.dtype}: "
+                            f"convert one of them (layer.to(dtype) or x.to(dtype))")
         flat = x.reshape(-1, self.hidden_size)
         tokens = flat.shape[0]
         routing = self.router(flat)

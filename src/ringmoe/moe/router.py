@@ -72,7 +72,7 @@ class Router(nn.Module):
         super().__init__()
         if kind not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {kind!r}")
-        if not 1 <= top_k <= num_experts:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"n_group ({n_group}) must divide num_experts ({num_experts})")

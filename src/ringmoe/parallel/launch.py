@@ -3,29 +3,61 @@
 ``spawn(fn, world_size)`` forks one process per rank, gives each a gloo (or
 NCCL) process group on a free localhost port and one intra-op thread, runs
 ``fn(rank, world_size, *args)``, and returns the ranks' results in rank order.
-If any rank raises, the whole run fails with that rank's traceback and the
-other ranks are killed: nothing hangs past ``timeout`` seconds.
+
+It fails fast and leaves nothing behind:
+
+- the first rank to fail (it raised, exited, was killed, or returned something
+  that cannot be pickled) is named first in ``RankFailed``, with its traceback
+  or its exit code / signal; the others are killed at once;
+- with ``stall_timeout``, a job in which no rank reported progress (see
+  ``watchdog.activity``) for that long is stopped, naming the rank that holds
+  it up and what it was doing; ``timeout`` bounds the whole run the same way;
+- SIGTERM or SIGINT to the launching process kills every rank before the
+  exception (``JobInterrupted`` / KeyboardInterrupt) leaves ``spawn``; ranks die
+  with their parent even if it is killed outright (PR_SET_PDEATHSIG on Linux).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import multiprocessing as mp
 import os
-import queue
+import pickle
+import shutil
+import signal
 import socket
+import tempfile
+import threading
 import time
 import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["spawn", "free_port", "init_from_env", "RankFailed"]
+from . import watchdog
+
+__all__ = ["spawn", "free_port", "init_from_env", "RankFailed", "JobInterrupted"]
 
 
 class RankFailed(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank failed or the job stalled.  ``rank``: the rank named first (the cause); ``reason``: one line."""
+
+    def __init__(self, message: str, rank: int | None = None, reason: str = ""):
+        super().__init__(message)
+        self.rank, self.reason = rank, reason or message.splitlines()[0]
+
+
+class JobInterrupted(Exception):
+    """The launching process got SIGTERM (SIGINT raises KeyboardInterrupt); every rank was stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 def free_port() -> int:
@@ -35,7 +67,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, backend, threads, timeout, args, results):
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphaned ranks)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _rank_main(fn, rank, world_size, port, backend, threads, pg_timeout, args, writer, board, stack_file, parent):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; a terminal's Ctrl-C reaches it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent)
+    watchdog.install(board, rank, stack_file)
     try:
         torch.set_num_threads(threads)
         dist.init_process_group(
@@ -43,18 +88,169 @@ def _rank_main(fn, rank, world_size, port, backend, threads, timeout, args, resu
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        value = fn(rank, world_size, *args)
         try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value))
+            payload = pickle.dumps((True, value))
+        except Exception as error:  # report it as this rank's failure, not a silent exit
+            raise TypeError(f"fn returned a value that cannot be pickled ({type(value).__name__}): {error}") from None
+        dist.destroy_process_group()
     except BaseException:  # report every failure, then exit non-zero
-        results.put((rank, False, traceback.format_exc()))
-        results.close()
-        results.join_thread()  # flush the report before the hard exit
+        writer.send_bytes(pickle.dumps((False, traceback.format_exc())))
+        writer.close()
         os._exit(1)
+    writer.send_bytes(payload)
+    writer.close()
+    os._exit(0)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    if code == 0:
+        return "exited with code 0 without returning a result"
+    return f"exited with code {code} without reporting an error"
+
+
+_COLLATERAL = ("Connection reset", "Connection closed", "connection closed", "Broken pipe", "DistBackendError",
+               "gloo", "NCCL", "peer")
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Job:
+    """The parent's view of the ranks: processes, result pipes, the progress board."""
+
+    def __init__(self, fn, world_size, args, backend, threads, pg_timeout):
+        self.ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
+        self.world_size = world_size
+        self.board = watchdog.ProgressBoard(self.ctx, world_size)
+        self.stack_dir = Path(tempfile.mkdtemp(prefix="ringmoe-stacks-"))
+        port = free_port()
+        self.readers, self.procs = [], []
+        for rank in range(world_size):
+            reader, writer = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, backend, threads, pg_timeout, args, writer, self.board,
+                      str(self.stack_dir / f"rank{rank}.stack"), os.getpid()),
+                daemon=True,
+            )
+            self.readers.append(reader)
+            self.procs.append((proc, writer))
+        self.procs = [self._start(p, w) for p, w in self.procs]
+        self.values: dict[int, Any] = {}
+        self.failures: list[tuple[int, str, str]] = []  # (rank, one-line reason, details) in arrival order
+
+    @staticmethod
+    def _start(proc, writer):
+        proc.start()
+        writer.close()  # the child holds the only writing end
+        return proc
+
+    @property
+    def pending(self) -> list[int]:
+        failed = {r for r, _, _ in self.failures}
+        return [r for r in range(self.world_size) if r not in self.values and r not in failed]
+
+    def _receive(self, rank: int) -> bool:
+        """Read rank's report if one is there; False if none."""
+        reader = self.readers[rank]
+        try:
+            if not reader.poll():
+                return False
+            ok, value = pickle.loads(reader.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        if ok:
+            self.values[rank] = value
+        else:
+            self.failures.append((rank, _last_line(value), value))
+        return True
+
+    def poll(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for reports and exits; record them."""
+        pending = self.pending
+        handles = {self.readers[r]: r for r in pending} | {self.procs[r].sentinel: r for r in pending}
+        for handle in wait(list(handles), timeout=seconds):
+            rank = handles[handle]
+            if rank not in self.pending:
+                continue
+            if self._receive(rank):
+                continue
+            proc = self.procs[rank]
+            if handle == proc.sentinel or not proc.is_alive():
+                proc.join(timeout=1)
+                if not self._receive(rank):  # a report may land just before the exit is seen
+                    reason = f"rank {rank} {_exit_reason(proc.exitcode)}"
+                    self.failures.append((rank, reason, reason))
+
+    def failure_report(self, grace: float = 0.5) -> RankFailed:
+        """The first failing rank named first; other ranks' failures within ``grace`` seconds after it."""
+        deadline = time.monotonic() + grace
+        while self.pending and time.monotonic() < deadline:
+            self.poll(max(0.0, deadline - time.monotonic()))
+        # a rank failing on a broken connection is usually collateral damage of another rank's failure
+        cause = next((f for f in self.failures if not any(c in f[2] for c in _COLLATERAL)), self.failures[0])
+        rank, reason, details = cause
+        headline = reason if reason.startswith(f"rank {rank} ") else f"rank {rank} failed: {reason}"
+        lines = [headline]
+        if details != reason:
+            lines.append(details.rstrip())
+        others = [f for f in self.failures if f is not cause]
+        if others:
+            lines.append("then: " + "; ".join(f"rank {r}: {_shorten(why)}" for r, why, _ in others))
+        if self.pending:
+            lines.append(f"stopped the other ranks: {self.pending}")
+        return RankFailed("\n".join(lines), rank, headline)
+
+    def stuck_report(self, why: str) -> RankFailed:
+        pending = self.pending
+        culprits, found = watchdog.diagnose({r: self.procs[r].pid for r in pending}, self.board, self.stack_dir)
+        first = [d for d in found if d.rank in culprits]
+        rest = [d for d in found if d.rank not in culprits]
+        headline = f"{why}: " + "; ".join(d.describe() for d in first)
+        lines = [headline] + [f"  waiting: {d.describe()}" for d in rest]
+        if self.values:
+            lines.append(f"  finished: ranks {sorted(self.values)}")
+        return RankFailed("\n".join(lines), culprits[0] if culprits else None, headline)
+
+    def stop(self, graceful: bool) -> None:
+        for proc in self.procs:
+            if graceful:
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()  # SIGKILL also ends a stopped process
+        for proc in self.procs:
+            proc.join(timeout=5)
+        for reader in self.readers:
+            reader.close()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """In the main thread: SIGTERM raises JobInterrupted (SIGINT already raises KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise JobInterrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def spawn(
@@ -63,83 +259,59 @@ def spawn(
     *args: Any,
     backend: str = "gloo",
     threads_per_rank: int = 1,
-    timeout: float = 300.0,
+    timeout: float | None = 300.0,
+    stall_timeout: float | None = None,
+    on_poll: Callable[[], None] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results in rank order.
 
-    fn and its results must be picklable.  Raises RankFailed with the first
-    failing rank's traceback, or TimeoutError after ``timeout`` seconds.
+    fn (and, under NCCL, its arguments) must be picklable; results are pickled by value (tensors included).
+    timeout: seconds for the whole run (None: no limit).  stall_timeout: seconds without a progress beat
+    from any rank (None: off; ranks beat through ``ringmoe.parallel.watchdog.activity``).
+    on_poll: called about every 0.1 s while the ranks run (e.g. to refresh a progress bar).
+    Raises RankFailed naming the first failing or stuck rank, JobInterrupted on SIGTERM; every rank is
+    stopped before spawn returns or raises.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, port, backend, threads_per_rank, timeout, args, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    values: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(values) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(values))} did not finish in {timeout}s")
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-                if dead:
-                    report = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}"
-                    raise RankFailed(_failure_report(dead[0], report, results))
-                continue
-            if not ok:
-                raise RankFailed(_failure_report(rank, value, results))
-            values[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(values) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [values[r] for r in range(world_size)]
-
-
-def _failure_report(rank: int, trace: str, results, grace: float = 2.0) -> str:
-    """The first failure, plus any other rank's report that arrives within ``grace`` seconds.
-
-    The first rank to fail is usually the cause; the others tend to fail on the
-    broken connection right after it.
-    """
-    reports = [f"rank {rank} failed:\n{trace}"]
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
+    for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    pg_timeout = max(timeout or 0.0, 1800.0)
+    start = time.monotonic()
+    job = None
+    with _signals_raise():
         try:
-            other, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if not ok:
-            reports.append(f"rank {other} failed too:\n{value}")
-    return "\n".join(reports)
+            job = _Job(fn, world_size, args, backend, threads_per_rank, pg_timeout)
+            while job.pending:
+                job.poll(0.1)
+                if job.failures:
+                    raise job.failure_report()
+                if on_poll is not None:
+                    on_poll()
+                now = time.monotonic()
+                if timeout is not None and now - start > timeout:
+                    raise job.stuck_report(f"the job did not finish in {timeout:g} s")
+                if stall_timeout is not None and now - job.board.last_beat() > stall_timeout:
+                    raise job.stuck_report(f"no rank made progress for {stall_timeout:g} s")
+        finally:
+            if job is not None:
+                job.stop(graceful=not job.failures and not job.pending)
+    return [job.values[r] for r in range(world_size)]
 
 
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
     backend None: NCCL when CUDA is available, else gloo.  Returns (rank, world_size).
+    Raises ValueError when the variables are missing (not started by torchrun).
     """
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
-        raise RuntimeError(f"not launched by torchrun: missing {', '.join(missing)}")
+        raise ValueError(f"--launcher torchrun needs torchrun's environment; missing {', '.join(missing)} "
+                         f"(start with: torchrun --nproc-per-node N -m ringmoe.cli ...)")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():

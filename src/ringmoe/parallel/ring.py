@@ -31,6 +31,7 @@ from ..attention.kernels import check_backend, resolve_kernel
 from ..attention.mask import AttentionSpec
 from ..attention.merge import merge_attention
 from .layout import Segment, check_local_length, segments
+from .watchdog import activity
 
 __all__ = ["ring_flash_attn_func", "RingStats", "RingComm", "plan_block"]
 
@@ -175,24 +176,28 @@ class _Ring:
         kv = torch.stack([k, v]).contiguous()
         world = self.comm.world_size
         for step in range(world):
-            start = time.perf_counter()
-            incoming, pending = self.prefetch(kv, step)
-            for task in self.tasks(local_len, step):
-                spec = _task_spec(self.spec, task)
-                rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
-                qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
-                block_out, block_lse = self.kernel(qs, ks, spec).forward(qs, ks, vs, spec)
-                out[:, rows], lse[:, :, rows] = merge_attention(
-                    out[:, rows], lse[:, :, rows], block_out, block_lse.to(acc_dtype)
-                )
-            computed = time.perf_counter()
-            for work in pending:
-                work.wait()
-            self.record("forward", step, computed - start, time.perf_counter() - computed,
-                        kv.numel() * kv.element_size() if pending else 0)
-            if incoming is not None:
-                kv = incoming
+            with activity(f"ring forward step {step + 1}/{world}"):
+                kv = self.forward_step(step, q, kv, out, lse)
         return out, lse
+
+    def forward_step(self, step, q, kv, out, lse):
+        """Merge this step's K/V block into (out, lse) in place while the next block travels; the next kv."""
+        start = time.perf_counter()
+        incoming, pending = self.prefetch(kv, step)
+        for task in self.tasks(q.shape[1], step):
+            spec = _task_spec(self.spec, task)
+            rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
+            qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
+            block_out, block_lse = self.kernel(qs, ks, spec).forward(qs, ks, vs, spec)
+            out[:, rows], lse[:, :, rows] = merge_attention(
+                out[:, rows], lse[:, :, rows], block_out, block_lse.to(lse.dtype)
+            )
+        computed = time.perf_counter()
+        for work in pending:
+            work.wait()
+        self.record("forward", step, computed - start, time.perf_counter() - computed,
+                    kv.numel() * kv.element_size() if pending else 0)
+        return kv if incoming is None else incoming
 
     # -- backward --------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, dlse=None):
@@ -244,6 +249,26 @@ class _Ring:
         return dq, dkv[0], dkv[1]
 
 
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def check_same_shapes(group, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise ValueError on every rank of ``group`` unless all hold q, k of one shape and dtype.
+
+    One small all-gather before the first K/V block is sent: ranks that disagree would otherwise
+    exchange buffers of different sizes and abort inside the backend.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    mine = torch.tensor([*q.shape, *k.shape, _DTYPE_CODES[q.dtype]], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    shapes = [tuple(t.tolist()) for t in every]
+    if len(set(shapes)) > 1:
+        described = ", ".join(f"rank {r}: q {s[:4]} k {s[4:8]}" for r, s in enumerate(shapes))
+        raise ValueError(f"every rank of the ring must pass q, k, v of the same shape and dtype; got {described}")
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
@@ -258,7 +283,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
-        dq, dk, dv = ctx.ring.backward(dout, q, k, v, out, lse, dlse)
+        with activity("ring attention backward"):
+            dq, dk, dv = ctx.ring.backward(dout, q, k, v, out, lse, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -294,6 +320,7 @@ def ring_flash_attn_func(
     spec = make_spec(q.shape[-1], softmax_scale, causal, (-1, -1), softcap)
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
+    check_same_shapes(group, q, k)
     ring = _Ring(group, layout, spec, backend, stats)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         out, lse = _RingAttention.apply(q, k, v, ring)

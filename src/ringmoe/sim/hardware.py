@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..jsonio import read_json
+
 __all__ = ["Hardware", "PROFILES", "hardware_profile"]
 
 
@@ -48,7 +50,21 @@ class Hardware:
 
     @classmethod
     def load(cls, path: str | Path) -> "Hardware":
-        return cls(**json.loads(Path(path).read_text()))
+        """A profile from JSON; ValueError naming the file and the fields when it is not one."""
+        data = read_json(Path(path))
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+        missing = [n for n in required if n not in data]
+        unknown = [n for n in data if n not in fields]
+        if missing or unknown:
+            raise ValueError(f"{str(path)!r} is not a hardware profile (write one with ringmoe simulate --calibrate): "
+                             + "; ".join(p for p in (f"missing {missing}" if missing else "",
+                                                     f"unknown {unknown}" if unknown else "") if p))
+        bad = [n for n, v in data.items() if n != "name" and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                                                or not v >= 0)]
+        if bad:
+            raise ValueError(f"{str(path)!r}: fields {bad} must be numbers >= 0")
+        return cls(**data)
 
 
 _H100 = dict(

@@ -41,6 +41,9 @@ from .hardware import Hardware
 __all__ = ["Scenario", "Prediction", "simulate"]
 
 
+MAX_EVENTS = 50_000  # events of one layer's schedule: ~0.3 ms each on a CPU core
+
+
 @dataclass(frozen=True)
 class Scenario:
     """What to predict.  batch None = ep sequences (one per expert-parallel coordinate)."""
@@ -227,6 +230,11 @@ def simulate(s: Scenario) -> Prediction:
         check_layout(s.seqlen, s.cp, s.layout)
     if not isinstance(s.chunks, int) or s.chunks < 1:
         raise ValueError(f"chunks must be a positive int, got {s.chunks!r}")
+    events = s.cp * s.cp * s.ep + s.cp * s.ep * s.ep * s.chunks
+    if events > MAX_EVENTS:
+        raise ValueError(f"cp={s.cp}, ep={s.ep}, chunks={s.chunks} means {events:,} events per layer "
+                         f"(cp^2 ep + cp ep^2 chunks); the cost model schedules at most {MAX_EVENTS:,} "
+                         f"(about 15 s): lower cp, ep or chunks")
     layer = _Layer(s)
     world, tokens, t = layer.world, layer.tokens, layer.t
     shares = rank_shares(s.ep, s.skew)
