@@ -116,3 +116,14 @@ def test_bad_launcher_arguments_are_refused():
         spawn(_faulty, 2, "/tmp", "none", stall_timeout=0)
     with pytest.raises(ValueError, match="world_size"):
         spawn(_faulty, 0, "/tmp", "none")
+
+
+def _threaded_work(rank, world):
+    return float((torch.randn(400, 400) @ torch.randn(400, 400)).shape[0] + torch.randn(2000, 2000).sum() * 0)
+
+
+def test_ranks_with_threads_do_not_hang_after_the_parent_used_openmp():
+    """libgomp is not fork-safe: a child forked from a thread that ran an OpenMP team waits on it forever."""
+    x = torch.randn(1500, 1500)
+    (x @ x).sum()  # the parent's main thread now owns an OpenMP team
+    assert spawn(_threaded_work, 2, threads_per_rank=2, timeout=30, stall_timeout=20) == [400.0, 400.0]

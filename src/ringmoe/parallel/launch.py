@@ -146,9 +146,31 @@ class _Job:
             )
             self.readers.append(reader)
             self.procs.append((proc, writer))
-        self.procs = [self._start(p, w) for p, w in self.procs]
+        # Fork from a fresh thread: the child's only thread is then one that never ran an OpenMP
+        # parallel region, so its first multi-threaded torch op builds a new thread team instead
+        # of waiting forever on the parent's (libgomp is not fork-safe).  The thread lives until
+        # the job stops: Linux sends PR_SET_PDEATHSIG when the forking *thread* exits.
+        started, self.release = threading.Event(), threading.Event()
+
+        errors = []
+
+        def fork_and_wait():
+            try:
+                for proc, writer in self.procs:
+                    self._start(proc, writer)
+            except BaseException as error:  # e.g. fn cannot be pickled for a spawned (NCCL) rank
+                errors.append(error)
+            started.set()
+            self.release.wait()
+
+        threading.Thread(target=fork_and_wait, daemon=True, name="ringmoe-ranks").start()
+        started.wait()
+        self.procs = [p for p, _ in self.procs]
         self.values: dict[int, Any] = {}
         self.failures: list[tuple[int, str, str]] = []  # (rank, one-line reason, details) in arrival order
+        if errors:
+            self.stop(graceful=False)
+            raise errors[0]
 
     @staticmethod
     def _start(proc, writer):
@@ -225,14 +247,18 @@ class _Job:
 
     def stop(self, graceful: bool) -> None:
         for proc in self.procs:
+            if proc.pid is None:  # never started
+                continue
             if graceful:
                 proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()  # SIGKILL also ends a stopped process
         for proc in self.procs:
-            proc.join(timeout=5)
+            if proc.pid is not None:
+                proc.join(timeout=5)
         for reader in self.readers:
             reader.close()
+        self.release.set()
         shutil.rmtree(self.stack_dir, ignore_errors=True)
 
 

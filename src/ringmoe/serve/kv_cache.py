@@ -1,0 +1,191 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, block tables, ref counts, prefix caching.
+
+Plain Python, no tensors: the runner owns the (num_blocks, block_size, kv_heads, head_dim)
+buffers per layer; this class decides which block holds which tokens.
+
+Prefix caching.  A *full* block is named by a chained hash of its tokens,
+``h_i = hash((h_{i-1}, tokens of block i))``, so equal hashes mean equal prefixes up to that
+block (the tokens are compared as well on a hit, so a hash collision can never serve wrong K/V).
+Blocks that no request references stay in the cache, in a least-recently-freed queue, and are
+reused on a later hit or evicted (their hash forgotten) when a fresh block is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["BlockManager", "Block", "NoFreeBlocks"]
+
+
+class NoFreeBlocks(RuntimeError):
+    """Not enough free blocks right now (the scheduler preempts or waits)."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix cache
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass
+class _Owned:
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
+
+
+class BlockManager:
+    """Blocks of ``block_size`` token slots; each request owns an ordered list of them (its block table)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.owned: dict[str, _Owned] = {}
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # -- queries ----------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a request."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self.owned[request_id].blocks)
+
+    def slot(self, request_id: str, position: int) -> int:
+        """Flat slot index (block_id * block_size + offset) of token ``position`` of a request."""
+        blocks = self.owned[request_id].blocks
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    @staticmethod
+    def chain(previous: int | None, tokens) -> int:
+        return hash((previous, tuple(tokens)))
+
+    # -- prefix cache -------------------------------------------------------------------
+    def longest_cached_prefix(self, tokens: list[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of ``tokens`` in full blocks.
+
+        At most len(tokens) - 1 tokens are matched: the last token is always computed, since its
+        logits are needed.
+        """
+        if not self.prefix_caching:
+            return []
+        found, previous = [], None
+        for index in range((len(tokens) - 1) // self.block_size):
+            chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
+            previous = self.chain(previous, chunk)
+            block_id = self.cached.get(previous)
+            if block_id is None or self.blocks[block_id].tokens != tuple(chunk):
+                break
+            found.append(block_id)
+        return found
+
+    # -- allocation ---------------------------------------------------------------------
+    def can_allocate(self, num_blocks: int, reusing: list[int] = ()) -> bool:
+        """Room for ``num_blocks`` fresh blocks after taking the cached blocks ``reusing``."""
+        reclaimed = sum(1 for b in reusing if self.blocks[b].ref_count == 0)
+        return self.num_free - reclaimed >= num_blocks
+
+    def admit(self, request_id: str, tokens: list[int]) -> int:
+        """Start a request: take its longest cached prefix; returns the number of cached tokens."""
+        if request_id in self.owned:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        hits = self.longest_cached_prefix(tokens)
+        owned = self.owned[request_id] = _Owned()
+        for block_id in hits:
+            self._reference(block_id)
+            owned.blocks.append(block_id)
+            owned.hashes.append(self.blocks[block_id].hash)
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        """Make the request's blocks hold ``num_tokens`` tokens in all; NoFreeBlocks if they are not there."""
+        owned = self.owned[request_id]
+        needed = self.blocks_for(num_tokens) - len(owned.blocks)
+        if needed > self.num_free:
+            raise NoFreeBlocks(f"need {needed} blocks, {self.num_free} free")
+        for _ in range(needed):
+            owned.blocks.append(self._take_free())
+
+    def register_full_blocks(self, request_id: str, tokens: list[int], num_computed: int) -> None:
+        """Enter into the prefix cache every block whose ``block_size`` tokens are all computed now."""
+        if not self.prefix_caching:
+            return
+        owned = self.owned[request_id]
+        full = min(num_computed, len(tokens)) // self.block_size
+        while len(owned.hashes) < full:
+            index = len(owned.hashes)
+            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            digest = self.chain(owned.hashes[-1] if owned.hashes else None, chunk)
+            owned.hashes.append(digest)
+            block = self.blocks[owned.blocks[index]]
+            if block.hash is None and digest not in self.cached:
+                block.hash, block.tokens = digest, chunk
+                self.cached[digest] = block.block_id
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's references (finished, aborted or preempted); cached blocks stay reusable."""
+        owned = self.owned.pop(request_id, None)
+        if owned is None:
+            return
+        for block_id in reversed(owned.blocks):  # the tail is freed first, so it is evicted first
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self.free:
+            self._forget(self.blocks[block_id])
+
+    # -- internals ----------------------------------------------------------------------
+    def _reference(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        self._forget(block)  # evict: its old contents are about to be overwritten
+        block.ref_count = 1
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash, block.tokens = None, ()
+
+    def check_integrity(self) -> None:
+        """Assert the invariants (tests call this after every operation)."""
+        refs = [0] * self.num_blocks
+        for owned in self.owned.values():
+            assert len(set(owned.blocks)) == len(owned.blocks), "a request holds a block twice"
+            for block_id in owned.blocks:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
+            assert (block.block_id in self.free) == (block.ref_count == 0), f"block {block.block_id} free-list mismatch"
+            if block.hash is not None:
+                assert self.cached.get(block.hash) == block.block_id, f"block {block.block_id} hash not indexed"
+                assert len(block.tokens) == self.block_size
+        for digest, block_id in self.cached.items():
+            assert self.blocks[block_id].hash == digest

@@ -1,0 +1,155 @@
+"""Sampling parameters of a request, and turning one row of logits into the next token.
+
+The order is vLLM's: penalties on the raw logits, then temperature, then the truncations
+(min-p, top-k, top-p) of the resulting distribution, then a draw from the request's own
+generator (so a request with a seed gives the same tokens whatever else is in the batch).
+Log-probabilities returned to the user are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SamplingParams", "next_token", "TokenChoice", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 20
+
+
+def _number(name, value, low=None, high=None, low_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+
+
+def _int(name, value, low, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token and when to stop.
+
+    temperature 0 = greedy.  top_k <= 0, top_p 1 and min_p 0 switch those truncations off.
+    presence/frequency penalties (OpenAI's, in [-2, 2]) apply to generated tokens; repetition_penalty
+    (> 0, 1 = off; logits > 0 divided by it, < 0 multiplied) to prompt and generated tokens.
+    stop: strings that end the text (not included in it); stop_token_ids: ids that end it (also not
+    included).  max_tokens: new tokens at most; min_tokens: end-of-sequence and stop ids are banned
+    before that.  ignore_eos: keep going past the end-of-sequence token.  logprobs: how many top
+    alternatives to return per token (None = none; 0 = the chosen token's only).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        _number("temperature", self.temperature, 0.0)
+        _int("top_k", self.top_k, -1)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _int("seed", self.seed, -(2**63), allow_none=True)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for token in self.stop_token_ids:
+            _int("stop_token_ids", token, 0)
+        _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenChoice:
+    """The token picked, its log-probability, and the top alternatives (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def penalized(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties to one row of logits (V,) float32."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[0]).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request draws from: softmax(logits / T), truncated and renormalised."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.min_p > 0:
+        keep &= probs >= params.min_p * probs.max()
+    if 0 < params.top_k < probs.shape[0]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        keep &= probs >= kth
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(probs.masked_fill(~keep, 0.0), descending=True)
+        before = torch.cumsum(ordered, 0) - ordered  # mass of the better tokens
+        inside = torch.zeros_like(keep)
+        inside[order] = before < params.top_p * ordered.sum()  # smallest prefix reaching top_p (first always)
+        keep &= inside
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum()
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+               generator: torch.Generator | None, banned: list[int] = ()) -> TokenChoice:
+    """Pick the next token from one row of logits (V,) (any float dtype; computed in float32)."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    adjusted = penalized(logits, params, prompt, output)
+    if banned:
+        adjusted[torch.tensor(list(banned), dtype=torch.long)] = float("-inf")
+    if params.greedy:
+        token = int(torch.argmax(adjusted))
+    else:
+        token = int(torch.multinomial(truncated_probs(adjusted, params), 1, generator=generator))
+    choice = TokenChoice(token, float(raw_logprobs[token]))
+    if params.logprobs:
+        values, ids = torch.topk(raw_logprobs, min(params.logprobs, raw_logprobs.shape[0]))
+        choice.top = list(zip(ids.tolist(), values.tolist()))
+    return choice
