@@ -1,0 +1,125 @@
+"""Which requests compute how many tokens in the next step.
+
+One token budget per step (``max_num_batched_tokens``) and at most ``max_num_seqs`` running
+requests.  Running requests come first, oldest first (decodes, and the rest of a prompt that was
+split into chunks), then waiting requests in arrival order, their prompts cut to what the
+budget leaves (chunked prefill), so decodes keep flowing while a long prompt is prefilled.
+
+When the cache has no block for a running request, the newest running request is preempted:
+its blocks are released and it goes back to the front of the queue with ``num_computed = 0``,
+to be recomputed (prompt and generated tokens) when there is room.  No request is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache import BlockManager, NoFreeBlocks
+from .request import Request, Status
+
+__all__ = ["Scheduler", "ScheduledBatch"]
+
+
+@dataclass
+class ScheduledBatch:
+    """(request, number of new tokens to compute) in the order they are packed; preempted request ids."""
+
+    items: list[tuple[Request, int]]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len or blocks.num_blocks * blocks.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def check_admissible(self, prompt_len: int, max_tokens: int) -> None:
+        """ValueError for a request that could never run (the engine calls it before queueing)."""
+        if prompt_len < 1:
+            raise ValueError("prompt must hold at least one token")
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                             f"context limit of {self.max_model_len} tokens")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if total > capacity:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV "
+                             f"cache ({capacity} tokens)")
+
+    def add(self, request: Request) -> None:
+        self.check_admissible(len(request.prompt_ids), request.params.max_tokens)
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.release(request.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        items: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.remaining, budget)
+            try:
+                self.blocks.grow(request.request_id, request.num_computed + count)
+            except NoFreeBlocks:
+                victim = self.running[-1]  # the newest
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                continue  # retry this request (unless it was the victim: then the loop ends)
+            items.append((request, count))
+            budget -= count
+            index += 1
+        if not preempted:  # admit only when nothing had to make room
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                if request.request_id not in self.blocks.owned:
+                    request.num_computed = self.blocks.admit(request.request_id, request.all_ids)
+                    if request.preemptions == 0 and not request.output_ids:
+                        request.num_cached_prompt = request.num_computed
+                count = min(request.remaining, budget)
+                try:
+                    self.blocks.grow(request.request_id, request.num_computed + count)
+                except NoFreeBlocks:
+                    self.blocks.release(request.request_id)  # give back its prefix hits; try next step
+                    request.num_computed = 0
+                    break
+                self.waiting.popleft()
+                request.status = Status.RUNNING
+                if request.first_scheduled is None:
+                    request.first_scheduled = time.monotonic()
+                self.running.append(request)
+                items.append((request, count))
+                budget -= count
+        return ScheduledBatch(items, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.release(request.request_id)
+        request.num_computed = 0
+        request.status = Status.WAITING
+        request.preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,117 @@
+"""The engine's greedy tokens equal transformers' greedy generate, whatever the batching does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ringmoe.model import load_checkpoint
+from ringmoe.serve import Engine, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+VOCAB = 96
+LENGTHS = [1, 5, 17, 40, 3, 64, 23]
+NEW = [6, 3, 8, 5, 7, 4, 6]
+
+
+def _save(kind, path):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  experts_implementation="eager", attn_implementation="eager", initializer_range=0.15)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                           intermediate_size=40, **common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=16, norm_topk_prob=True, **common))
+    model.save_pretrained(path)
+    return model.double().eval()
+
+
+def _prompts(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def _hf_greedy(hf, prompt, new):
+    """transformers' model, greedy, recomputing the whole sequence each step (no cache to trust)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _save(request.param, path)
+    want = [_hf_greedy(hf, p, n) for p, n in zip(_prompts(), NEW)]
+    return path, want
+
+
+@pytest.mark.parametrize("setting", [
+    dict(),                                                   # everything in one step when it fits
+    dict(max_num_batched_tokens=7, block_size=4),             # tiny chunks: prompts split over many steps
+    dict(kv_cache_tokens=96, block_size=8),                   # tiny cache: preemption and recompute
+    dict(max_num_seqs=2, block_size=4),                       # few at a time
+])
+def test_greedy_tokens_equal_transformers(checkpoint, setting):
+    path, want = checkpoint
+    engine = Engine(load_checkpoint(path, dtype=torch.float64), **setting)
+    outs = engine.generate(_prompts(), [SamplingParams(temperature=0, max_tokens=n) for n in NEW])
+    assert [o.output_ids for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
+    engine.blocks.check_integrity()
+    assert engine.blocks.usage == 0  # every block released
+    if "kv_cache_tokens" in setting:
+        assert any(r.preemptions for r in engine.requests.values()), "the tiny cache should have forced preemption"
+
+
+def test_prefix_cache_hits_give_the_same_tokens(checkpoint):
+    path, want = checkpoint
+    engine = Engine(load_checkpoint(path, dtype=torch.float64), block_size=4)
+    prompts = _prompts()
+    first = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in NEW])
+    hits_before = engine.blocks.hit_tokens
+    again = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in NEW])
+    assert engine.blocks.hit_tokens - hits_before >= sum((n - 1) // 4 * 4 for n in LENGTHS)
+    assert [o.output_ids for o in again] == [o.output_ids for o in first] == want
+
+
+def test_abort_in_the_middle_frees_blocks_and_others_finish(checkpoint):
+    path, want = checkpoint
+    engine = Engine(load_checkpoint(path, dtype=torch.float64), block_size=4, max_num_batched_tokens=16)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n)) for p, n in zip(_prompts(), NEW)]
+    engine.step()
+    engine.step()
+    engine.abort(ids[3])
+    engine.blocks.check_integrity()
+    finals = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.output_ids
+    assert ids[3] not in finals and engine.requests[ids[3]].finish_reason == "abort"
+    assert [finals[i] for i in ids if i != ids[3]] == [w for j, w in enumerate(want) if j != 3]
+    assert engine.blocks.usage == 0
+
+
+def test_bad_requests_raise_and_the_engine_keeps_serving(checkpoint):
+    path, want = checkpoint
+    engine = Engine(load_checkpoint(path, dtype=torch.float64), kv_cache_tokens=256)
+    good = engine.add_request(_prompts()[2], SamplingParams(temperature=0, max_tokens=NEW[2]))
+    for prompt, params, match in [([], None, "at least one token"), ([1, VOCAB], None, "token ids must lie"),
+                                  ([1] * 250, SamplingParams(max_tokens=10), "exceeds"),
+                                  ("text", None, "need a tokenizer"), ([1, 2], "greedy", "SamplingParams")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            engine.add_request(prompt, params)
+    outs = engine.generate([], [])
+    assert outs == []
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.requests[good].output_ids == want[2]
