@@ -1,0 +1,94 @@
+"""Sampling: validation, seeds, the truncated distributions (chi-square against the exact one), penalties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ringmoe.serve.sampling import SamplingParams, next_token, penalized, truncated_probs
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
+                                          ("top_p", 1.5), ("min_p", -0.1), ("top_k", 1.5), ("max_tokens", 0),
+                                          ("presence_penalty", 3), ("repetition_penalty", 0), ("logprobs", 21),
+                                          ("stop", [""]), ("seed", "1"), ("stop_token_ids", [-1])])
+def test_every_field_is_validated_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def _exact(params):
+    """The distribution by hand: softmax(l / T); min-p, top-k, top-p truncations; renormalise."""
+    p = [math.exp(x / params.temperature) for x in LOGITS.tolist()]
+    p = [x / sum(p) for x in p]
+    keep = [True] * len(p)
+    if params.min_p:
+        keep = [k and x >= params.min_p * max(p) for k, x in zip(keep, p)]
+    if params.top_k:
+        kth = sorted(p, reverse=True)[params.top_k - 1]
+        keep = [k and x >= kth for k, x in zip(keep, p)]
+    if params.top_p < 1:
+        order = sorted(range(len(p)), key=lambda i: -p[i] if keep[i] else 0)
+        mass, inside = 0.0, set()
+        total = sum(x for x, k in zip(p, keep) if k)
+        for i in order:
+            if keep[i] and mass < params.top_p * total:
+                inside.add(i)
+                mass += p[i]
+        keep = [k and i in inside for i, k in enumerate(keep)]
+    q = [x if k else 0.0 for x, k in zip(p, keep)]
+    return [x / sum(q) for x in q]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(top_k=3),
+                                    SamplingParams(top_p=0.8, temperature=1.3), SamplingParams(min_p=0.2),
+                                    SamplingParams(top_k=5, top_p=0.9, min_p=0.05, temperature=0.9)])
+def test_draws_follow_the_exact_truncated_distribution(params):
+    exact = _exact(params)
+    assert torch.allclose(truncated_probs(LOGITS, params), torch.tensor(exact, dtype=torch.float32), atol=1e-6)
+    gen = torch.Generator().manual_seed(11)
+    n = 20_000
+    counts = torch.zeros(len(exact))
+    for _ in range(n):
+        counts[next_token(LOGITS, params, [], [], gen).token] += 1
+    support = [i for i, p in enumerate(exact) if p > 0]
+    assert all(counts[i] == 0 for i, p in enumerate(exact) if p == 0)  # nothing outside the truncation
+    chi2 = sum((counts[i].item() - n * exact[i]) ** 2 / (n * exact[i]) for i in support)
+    # 99.9% quantile of chi-square with len(support) - 1 degrees of freedom stays below 3 * dof + 12
+    assert chi2 < 3 * (len(support) - 1) + 12, (chi2, counts.tolist(), exact)
+
+
+def test_a_seed_reproduces_and_greedy_takes_the_argmax():
+    params = SamplingParams(temperature=1.0, seed=5)
+    draw = lambda: [next_token(LOGITS, params, [], [], torch.Generator().manual_seed(5)).token for _ in range(1)]
+    first = [next_token(LOGITS, params, [], [], g).token for g in [torch.Generator().manual_seed(5)] for _ in range(50)]
+    second = [next_token(LOGITS, params, [], [], g).token for g in [torch.Generator().manual_seed(5)] for _ in range(50)]
+    assert first == second and len(set(first)) > 1 and draw() == first[:1]
+    assert next_token(LOGITS, SamplingParams(temperature=0), [], [], None).token == 0
+
+
+def test_penalties_match_a_hand_computation():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    prompt, output = [1, 6], [0, 0, 3]
+    got = penalized(LOGITS, params, prompt, output)
+    want = LOGITS.clone()
+    for token in {0, 1, 3, 6}:  # repetition: prompt and output, divide positives, multiply negatives
+        want[token] = want[token] / 2 if want[token] > 0 else want[token] * 2
+    want[0] -= 0.25 * 2 + 0.5  # frequency x count + presence, output tokens only
+    want[3] -= 0.25 * 1 + 0.5
+    assert torch.allclose(got, want)
+
+
+def test_logprobs_are_the_raw_distribution_and_banned_tokens_are_never_picked():
+    params = SamplingParams(temperature=0, logprobs=3, repetition_penalty=5.0)
+    choice = next_token(LOGITS, params, [0], [], None, banned=[1])
+    raw = torch.log_softmax(LOGITS, -1)
+    assert choice.token == 2  # 0 is penalised below 2, 1 is banned
+    assert choice.logprob == pytest.approx(raw[2].item())
+    assert [t for t, _ in choice.top] == [0, 1, 2]
