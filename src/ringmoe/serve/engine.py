@@ -9,7 +9,16 @@
 Each ``step`` schedules (running requests first, then waiting prompts in chunks, under one token
 budget), runs one packed model step, samples a token for every request whose known tokens are all
 computed, and applies the stop rules (EOS, stop ids, stop strings, max_tokens).  ``generate`` does
-the same loop for an offline batch.  This engine runs on one process (mesh 1 x 1).
+the same loop for an offline batch.
+
+On a cp x ep mesh every rank builds the Engine; rank 0 is the driver (it takes requests, schedules
+and samples) and every other rank calls ``run_worker()``.  Each ep group (the ranks with one
+ep_rank) is a data-parallel replica for attention with its own requests and KV cache; new requests
+go to the least-loaded group.  Each step the driver broadcasts the plan, every rank runs its group's
+items (an empty batch if it has none: it still joins the MoE all-to-all), and the ranks send the
+last hidden states of the requests due a token back to the driver.  Under cp > 1 a prompt is
+prefilled whole by ring attention over its cp group and its KV stays sharded (``placement``).
+``shutdown()`` on the driver releases the workers.
 """
 
 from __future__ import annotations
@@ -19,11 +28,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ..model.transformer import MoETransformer
 from .kv_cache import BlockManager
+from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
-from .runner import ModelRunner, SequenceChunk
+from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, next_token
 from .scheduler import Scheduler
 
@@ -32,6 +43,8 @@ __all__ = ["Engine", "StepStats"]
 
 @dataclass
 class StepStats:
+    """What the last step did (the driver's view of the whole mesh)."""
+
     batch_tokens: int = 0
     num_sequences: int = 0
     running: int = 0
@@ -42,14 +55,17 @@ class StepStats:
     preempted: int = 0
     step_s: float = 0.0
     tokens_per_expert: list = field(default_factory=list)
+    tokens_per_ep_rank: list = field(default_factory=list)
+    ring_exposed_comm: float = 0.0
 
 
 class Engine:
-    """Continuous batching for a ``MoETransformer`` on one process.
+    """Continuous batching for a ``MoETransformer`` on one process or a cp x ep mesh.
 
-    kv_cache_tokens: KV cache size in tokens, rounded up to whole blocks of ``block_size``
-    (bytes: ``runner.bytes_per_token`` each).  tokenizer: a ``serve.Tokenizer`` (needed for text
-    prompts, text output and stop strings).
+    kv_cache_tokens: KV cache size per rank in tokens, rounded up to whole blocks of ``block_size``
+    (bytes: ``runner.bytes_per_token`` each).  max_num_seqs and max_num_batched_tokens apply per ep
+    group.  tokenizer: a ``serve.Tokenizer`` (needed for text prompts, text output and stop strings).
+    Prefix caching is used at cp = 1 (ring prefill computes whole sequences).
     """
 
     def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int = 32768, block_size: int = 16,
@@ -57,21 +73,30 @@ class Engine:
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto"):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
-        if model.mesh.size != 1:
-            raise ValueError("this engine runs on one process (mesh 1 x 1); meshes are not supported yet")
         if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         num_blocks = -(-kv_cache_tokens // block_size)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.is_driver = self.mesh.size == 1 or dist.get_rank() == 0
+        cp, ep = self.mesh.cp, self.mesh.ep
+
+        def blocks():
+            if cp == 1:
+                return BlockManager(num_blocks, block_size, prefix_caching)
+            return ShardedBlocks(num_blocks, block_size, cp, model.layout)
+
+        self.groups = [Scheduler(blocks(), max_num_seqs, max_num_batched_tokens, max_model_len,
+                                 chunked_prefill=cp == 1) for _ in range(ep)]
+        self.blocks = self.groups[0].blocks  # one process: the block manager
+        self.scheduler = self.groups[0]
         self.requests: dict[str, Request] = {}
         self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
+        self._group_of: dict[str, int] = {}
         self.last_stats = StepStats()
 
     # -- requests -------------------------------------------------------------------------
@@ -88,7 +113,11 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {bad[:5]}")
-        self.scheduler.check_admissible(len(ids), params.max_tokens)
+        if not self.is_driver:
+            raise RuntimeError("requests go to the driver (rank 0); other ranks call run_worker()")
+        group = min(range(len(self.groups)), key=lambda g: (len(self.groups[g].running) + len(self.groups[g].waiting),
+                                                            sum(r.remaining for r in self.groups[g].running)))
+        self.groups[group].check_admissible(len(ids), params.max_tokens)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id must be a new string, got {request_id!r}")
@@ -98,8 +127,9 @@ class Engine:
             from .tokenizer import IncrementalDetokenizer
 
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-        self.scheduler.add(request)
+        self.groups[group].add(request)
         self.requests[request_id] = request
+        self._group_of[request_id] = group
         return request_id
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -124,24 +154,82 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return any(g.has_work for g in self.groups)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step of the whole mesh (driver only); outputs of the requests that advanced."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batches = [g.schedule() for g in self.groups]
+        plan = [[self._work_item(g, request, count) for request, count in batch.items]
+                for g, batch in enumerate(batches)]
         outputs: list[RequestOutput] = []
-        if batch.items:
-            chunks = [SequenceChunk(r.all_ids[r.num_computed:r.num_computed + n], r.num_computed,
-                                    self.blocks.block_table(r.request_id)) for r, n in batch.items]
-            logits = self.runner.step(chunks)
-            for row, (request, count) in enumerate(batch.items):
+        reports, rank_stats = {}, []
+        if any(plan):
+            if self.mesh.size > 1:
+                dist.broadcast_object_list([plan], src=0)
+            reports, mine = self._run(plan)
+            rank_stats = [mine]
+            if self.mesh.size > 1:
+                gathered = [None] * self.mesh.size
+                dist.gather_object((reports, mine), gathered, dst=0)
+                reports = {k: v for part, _ in gathered for k, v in part.items()}
+                rank_stats = [s for _, s in gathered]
+        for g, batch in enumerate(batches):
+            for request, count in batch.items:
                 request.num_computed += count
-                self.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
-                if request.remaining == 0:  # every known token computed: the next one is due
-                    outputs.append(self._advance(request, logits[row]))
-        self.last_stats = self._stats(batch, time.perf_counter() - start)
+                self.groups[g].blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
+        due = [r for batch in batches for r, _ in batch.items if r.remaining == 0]
+        if due:
+            hidden = torch.stack([reports[r.request_id] for r in due])
+            with torch.no_grad():
+                logits = self.model.lm_head(hidden.to(self.runner.device)).float()
+            outputs = [self._advance(r, row) for r, row in zip(due, logits)]
+        self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
         return outputs
+
+    def _work_item(self, group: int, request: Request, count: int) -> WorkItem:
+        blocks = self.groups[group].blocks
+        due = request.num_computed + count == request.num_tokens
+        tokens = request.all_ids[request.num_computed:request.num_computed + count]
+        if isinstance(blocks, ShardedBlocks):
+            kind = "ring" if request.num_computed == 0 else "decode"
+            return WorkItem(request.request_id, tokens, request.num_computed, blocks.block_table(request.request_id),
+                            kind, blocks.ring_len[request.request_id], due)
+        return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
+                        "paged", 0, due)
+
+    def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
+        """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""
+        self.runner.ring_stats.forward.clear()
+        reports = self.runner.step(plan[self.mesh.ep_rank])
+        moe = [layer.mlp.last_stats for layer in self.model.layers if layer.mlp.last_stats is not None]
+        ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
+        stats = {
+            "ep_rank": self.mesh.ep_rank,
+            "tokens_per_expert": sum(s.tokens_per_expert for s in moe).tolist() if moe else [],
+            "tokens_per_rank": sum(s.tokens_per_rank for s in moe).tolist()
+            if moe and moe[0].tokens_per_rank is not None else [],
+            "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
+        }
+        return reports, stats
+
+    def run_worker(self) -> None:
+        """On every rank but the driver: run the driver's plans until it calls ``shutdown``."""
+        if self.is_driver:
+            raise RuntimeError("the driver (rank 0) steps the engine; run_worker is for the other ranks")
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return
+            reports, stats = self._run(box[0])
+            dist.gather_object((reports, stats), None, dst=0)
+
+    def shutdown(self) -> None:
+        """Driver: release the workers (their run_worker returns).  One process: nothing to do."""
+        if self.is_driver and self.mesh.size > 1:
+            dist.broadcast_object_list([None], src=0)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         params = request.params
@@ -191,16 +279,24 @@ class Engine:
         return "stop"
 
     def _finish(self, request: Request, reason: str) -> None:
-        self.scheduler.remove(request)
+        self.groups[self._group_of[request.request_id]].remove(request)
         request.status, request.finish_reason = Status.FINISHED, reason
         request.finished_at = time.monotonic()
 
-    def _stats(self, batch, seconds: float) -> StepStats:
-        moe = [layer.mlp.last_stats for layer in self.model.layers if layer.mlp.last_stats is not None]
-        per_expert = sum(s.tokens_per_expert for s in moe).tolist() if moe and batch.items else []
-        return StepStats(batch.num_tokens, len(batch.items), len(self.scheduler.running), len(self.scheduler.waiting),
-                         self.blocks.num_blocks - self.blocks.num_free, self.blocks.usage, self.blocks.hit_tokens,
-                         len(batch.preempted), seconds, per_expert)
+    def _stats(self, batches, rank_stats: list[dict], seconds: float) -> StepStats:
+        groups = self.groups
+        ep_rank0 = [s for s in rank_stats if s["ep_rank"] == 0 and s["tokens_per_expert"]]
+        per_expert = [sum(col) for col in zip(*(s["tokens_per_expert"] for s in ep_rank0))] if ep_rank0 else []
+        per_rank = [sum(col) for col in zip(*(s["tokens_per_rank"] for s in ep_rank0 if s["tokens_per_rank"]))]
+        return StepStats(
+            batch_tokens=sum(b.num_tokens for b in batches), num_sequences=sum(len(b.items) for b in batches),
+            running=sum(len(g.running) for g in groups), waiting=sum(len(g.waiting) for g in groups),
+            kv_blocks_used=sum(g.blocks.num_blocks - g.blocks.num_free for g in groups),
+            kv_usage=max(g.blocks.usage for g in groups), prefix_hit_tokens=sum(g.blocks.hit_tokens for g in groups),
+            preempted=sum(len(b.preempted) for b in batches), step_s=seconds, tokens_per_expert=per_expert,
+            tokens_per_ep_rank=per_rank,
+            ring_exposed_comm=max((s["ring_exposed_comm"] for s in rank_stats), default=0.0),
+        )
 
     # -- offline ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -4,6 +4,8 @@ One token budget per step (``max_num_batched_tokens``) and at most ``max_num_seq
 requests.  Running requests come first, oldest first (decodes, and the rest of a prompt that was
 split into chunks), then waiting requests in arrival order, their prompts cut to what the
 budget leaves (chunked prefill), so decodes keep flowing while a long prompt is prefilled.
+With ``chunked_prefill=False`` (ring prefill under context parallelism) a prompt runs whole:
+it waits for a step with room, or runs alone over the budget.
 
 When the cache has no block for a running request, the newest running request is preempted:
 its blocks are released and it goes back to the front of the queue with ``num_computed = 0``,
@@ -36,13 +38,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, chunked_prefill: bool = True):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_model_len = max_model_len or blocks.num_blocks * blocks.block_size
+        self.capacity = getattr(blocks, "capacity_tokens", blocks.num_blocks * blocks.block_size)
+        self.max_model_len = max_model_len or self.capacity
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -54,10 +58,9 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                              f"context limit of {self.max_model_len} tokens")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if total > capacity:
+        if total > self.capacity:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV "
-                             f"cache ({capacity} tokens)")
+                             f"cache ({self.capacity} tokens)")
 
     def add(self, request: Request) -> None:
         self.check_admissible(len(request.prompt_ids), request.params.max_tokens)
@@ -101,6 +104,12 @@ class Scheduler:
                     if request.preemptions == 0 and not request.output_ids:
                         request.num_cached_prompt = request.num_computed
                 count = min(request.remaining, budget)
+                if not self.chunked_prefill and count < request.remaining:
+                    if items:  # a whole prompt only: wait for a step with room for it
+                        self.blocks.release(request.request_id)
+                        request.num_computed = 0
+                        break
+                    count = request.remaining  # alone in the step: over the budget rather than never
                 try:
                     self.blocks.grow(request.request_id, request.num_computed + count)
                 except NoFreeBlocks:

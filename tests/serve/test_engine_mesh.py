@@ -1,0 +1,80 @@
+"""The engine on cp x ep gloo meshes: greedy tokens equal transformers' for every request of a mixed batch.
+
+ep groups hold different requests (data parallel for attention) and meet in the MoE all-to-all every
+step; under cp > 1 prompts are prefilled by ring attention and decoding merges the ranks' partials.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ringmoe.model import load_checkpoint
+from ringmoe.parallel import make_mesh
+from ringmoe.parallel.launch import spawn
+from ringmoe.serve import Engine, SamplingParams
+
+from .test_engine import LENGTHS, NEW, _hf_greedy, _prompts, _save
+
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral-mesh")
+    hf = _save("mixtral", path)
+    return path, [_hf_greedy(hf, p, n) for p, n in zip(_prompts(), NEW)]
+
+
+def _serve_rank(rank, world, path, cp, ep, layout, settings, abort_after):
+    mesh = make_mesh(cp, ep)
+    engine = Engine(load_checkpoint(path, mesh, layout, dtype=torch.float64), **settings)
+    if rank != 0:
+        engine.run_worker()
+        return None
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n)) for p, n in zip(_prompts(), NEW)]
+    finals, steps, stats = {}, 0, []
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.output_ids
+        stats.append(engine.last_stats)
+        steps += 1
+        if steps == abort_after:
+            engine.abort(ids[3])
+    engine.shutdown()
+    for group in engine.groups:
+        group.blocks.check_integrity()
+        assert group.blocks.usage == 0
+    preempted = sum(s.preempted for s in stats)
+    expert_rows = sum(sum(s.tokens_per_expert) for s in stats)
+    return [finals.get(i) for i in ids], preempted, expert_rows, max(s.ring_exposed_comm for s in stats)
+
+
+@pytest.mark.parametrize("cp, ep, layout, settings", [
+    (1, 2, "zigzag", dict()),
+    (1, 2, "zigzag", dict(max_num_batched_tokens=7, block_size=4)),
+    (2, 1, "zigzag", dict(block_size=4)),
+    (2, 2, "zigzag", dict(block_size=4)),
+    (3, 1, "striped", dict(block_size=8)),
+    (2, 1, "zigzag", dict(kv_cache_tokens=40, block_size=4)),   # preemption: recompute by ring prefill
+])
+def test_greedy_tokens_on_meshes_equal_transformers(checkpoint, cp, ep, layout, settings):
+    path, want = checkpoint
+    tokens, preempted, expert_rows, _ = spawn(_serve_rank, cp * ep, str(path), cp, ep, layout, settings, -1,
+                                              timeout=240, stall_timeout=60)[0]
+    assert tokens == want
+    assert expert_rows > 0
+    if "kv_cache_tokens" in settings:
+        assert preempted > 0
+
+
+def test_abort_on_a_mesh(checkpoint):
+    path, want = checkpoint
+    tokens, *_ = spawn(_serve_rank, 4, str(path), 2, 2, "zigzag", dict(block_size=4), 2, timeout=240,
+                       stall_timeout=60)[0]
+    assert tokens[3] is None
+    assert [t for i, t in enumerate(tokens) if i != 3] == [w for i, w in enumerate(want) if i != 3]
