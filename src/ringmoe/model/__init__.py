@@ -2,8 +2,8 @@
 
 from .checkpoint import LoadReport, check_checkpoint, load_checkpoint, load_config, load_weights
 from .config import PRESETS, ModelConfig, config_from_hf, preset
-from .generate import Generation, ShardedKVCache, generate
+from .generate import Generation, generate
 from .transformer import MoETransformer
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf", "MoETransformer", "load_checkpoint",
-           "load_config", "load_weights", "check_checkpoint", "LoadReport", "generate", "Generation", "ShardedKVCache"]
+           "load_config", "load_weights", "check_checkpoint", "LoadReport", "generate", "Generation"]

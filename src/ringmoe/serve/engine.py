@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.transformer import MoETransformer
+from ..parallel.ring import RingStats
 from .kv_cache import BlockManager
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
@@ -65,12 +66,13 @@ class Engine:
     kv_cache_tokens: KV cache size per rank in tokens, rounded up to whole blocks of ``block_size``
     (bytes: ``runner.bytes_per_token`` each).  max_num_seqs and max_num_batched_tokens apply per ep
     group.  tokenizer: a ``serve.Tokenizer`` (needed for text prompts, text output and stop strings).
-    Prefix caching is used at cp = 1 (ring prefill computes whole sequences).
+    Prefix caching is used at cp = 1 (ring prefill computes whole sequences).  record_steps: keep each
+    step's seconds, ring statistics and MoE statistics on every rank (``runner.history``).
     """
 
     def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int = 32768, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 prefix_caching: bool = True, seed: int = 0, backend: str = "auto"):
+                 prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
@@ -80,6 +82,7 @@ class Engine:
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         num_blocks = -(-kv_cache_tokens // block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.record_steps = record_steps
         self.is_driver = self.mesh.size == 1 or dist.get_rank() == 0
         cp, ep = self.mesh.cp, self.mesh.ep
 
@@ -201,10 +204,14 @@ class Engine:
 
     def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
         """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""
-        self.runner.ring_stats.forward.clear()
+        self.runner.ring_stats = RingStats()
+        start = time.perf_counter()
         reports = self.runner.step(plan[self.mesh.ep_rank])
         moe = [layer.mlp.last_stats for layer in self.model.layers if layer.mlp.last_stats is not None]
         ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
+        if self.record_steps:
+            self.runner.history.append({"seconds": time.perf_counter() - start, "ring": self.runner.ring_stats,
+                                        "moe": moe})
         stats = {
             "ep_rank": self.mesh.ep_rank,
             "tokens_per_expert": sum(s.tokens_per_expert for s in moe).tolist() if moe else [],
@@ -236,6 +243,7 @@ class Engine:
         banned = []
         if len(request.output_ids) < params.min_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+        request.last_logits = logits
         choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned)
         request.output_ids.append(choice.token)
         if params.logprobs is not None:

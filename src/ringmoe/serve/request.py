@@ -60,6 +60,7 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    last_logits: torch.Tensor | None = None  # (vocab,) float32 of the latest token (exactness checks)
 
     @property
     def all_ids(self) -> list[int]:

@@ -67,6 +67,7 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
         self.ring_stats = RingStats()
+        self.history: list[dict] = []  # per step, when the engine records them
 
     @property
     def device(self) -> torch.device:
