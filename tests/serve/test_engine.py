@@ -115,3 +115,30 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(checkpoint):
     while engine.has_unfinished:
         engine.step()
     assert engine.requests[good].output_ids == want[2]
+
+
+def _run_one(engine, prompt, params, others=()):
+    """Run ``prompt`` (among ``others``); its output ids and chosen logprobs."""
+    ids = [engine.add_request(p, SamplingParams(temperature=0.8, seed=i, max_tokens=5, logprobs=2))
+           for i, p in enumerate(others)]
+    target = engine.add_request(prompt, params)
+    while engine.has_unfinished:
+        engine.step()
+    request = engine.requests[target]
+    return request.output_ids, [c.logprob for c in request.logprobs], [c.top for c in request.logprobs]
+
+
+def test_deterministic_mode_is_bitwise_alone_busy_chunked_and_with_prefix_hits(checkpoint):
+    path, _ = checkpoint
+    model = load_checkpoint(path)  # float32: where batch-dependent rounding shows
+    prompt = _prompts(9)[5]
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=12, logprobs=3)
+    alone = _run_one(Engine(model, deterministic=True, prefix_caching=False), prompt, params)
+    busy = _run_one(Engine(model, deterministic=True, prefix_caching=False), prompt, params, _prompts(4))
+    chunked = _run_one(Engine(model, deterministic=True, max_num_batched_tokens=5, block_size=4,
+                              prefix_caching=False), prompt, params, _prompts(5))
+    warm = Engine(model, deterministic=True, block_size=4)
+    _run_one(warm, prompt[:40] + [1, 2, 3], SamplingParams(max_tokens=2))  # caches the prompt's first blocks
+    hit = _run_one(warm, prompt, params, _prompts(6))
+    assert warm.blocks.hit_tokens >= 36
+    assert alone == busy == chunked == hit

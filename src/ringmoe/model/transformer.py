@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..attention import flash_attn_func
+from ..batch_invariant import InvariantLinear
 from ..moe import MoELayer
 from ..parallel.layout import check_layout, positions as layout_positions
 from ..parallel.mesh import Mesh
@@ -73,10 +74,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_proj = InvariantLinear(h, self.heads * d, bias=False)
+        self.k_proj = InvariantLinear(h, self.kv_heads * d, bias=False)
+        self.v_proj = InvariantLinear(h, self.kv_heads * d, bias=False)
+        self.o_proj = InvariantLinear(self.heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_eps) if config.qk_norm else None
 
@@ -130,7 +131,7 @@ class MoETransformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.mesh.ep_group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = InvariantLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -11,13 +11,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..batch_invariant import InvariantLinear, linear
+
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) for rows x (n, H), gate_up (2F, H) = [gate; up], down (H, F)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 class SwiGLUExperts(nn.Module):
@@ -58,10 +60,10 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, gated: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=False)
-        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
-        self.gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
+        self.gate_proj = InvariantLinear(hidden_size, ffn_size, bias=False)
+        self.up_proj = InvariantLinear(hidden_size, ffn_size, bias=False)
+        self.down_proj = InvariantLinear(ffn_size, hidden_size, bias=False)
+        self.gate = InvariantLinear(hidden_size, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..batch_invariant import linear
+
 __all__ = ["Router", "Routing", "ROUTERS", "load_balancing_loss", "router_z_loss", "update_correction_bias"]
 
 ROUTERS = ("softmax_topk", "sigmoid_bias")
@@ -89,7 +91,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         dtype = torch.promote_types(x.dtype, torch.float32)  # float32 at least, float64 stays
-        logits = torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))
+        logits = linear(x.to(dtype), self.weight.to(dtype))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
             weight, idx = torch.topk(probs, self.top_k, dim=-1)

@@ -23,6 +23,7 @@ prefilled whole by ring attention over its cp group and its KV stays sharded (``
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..batch_invariant import batch_invariant
 from ..model.transformer import MoETransformer
 from ..parallel.ring import RingStats
 from .kv_cache import BlockManager
@@ -68,20 +70,31 @@ class Engine:
     group.  tokenizer: a ``serve.Tokenizer`` (needed for text prompts, text output and stop strings).
     Prefix caching is used at cp = 1 (ring prefill computes whole sequences).  record_steps: keep each
     step's seconds, ring statistics and MoE statistics on every rank (``runner.history``).
+
+    deterministic: a request's tokens and logprobs are bitwise the same whether it runs alone or among
+    others, with any chunk size, with or without a prefix hit (same mesh and dtype).  Every matrix
+    product runs on fixed row tiles (``batch_invariant``) and attention on fixed key tiles
+    (``attention.paged.invariant_causal_attention``); needs dropless experts (a capacity makes a
+    token's experts depend on the others).
     """
 
     def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int = 32768, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False):
+                 prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
+                 deterministic: bool = False):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if deterministic and model.config.capacity_factor is not None:
+            raise ValueError("deterministic=True needs dropless experts (capacity_factor=None): under a capacity a "
+                             "token's experts depend on the other tokens of the step")
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
+        self.deterministic = deterministic
         num_blocks = -(-kv_cache_tokens // block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic)
         self.record_steps = record_steps
         self.is_driver = self.mesh.size == 1 or dist.get_rank() == 0
         cp, ep = self.mesh.cp, self.mesh.ep
@@ -185,7 +198,7 @@ class Engine:
         due = [r for batch in batches for r, _ in batch.items if r.remaining == 0]
         if due:
             hidden = torch.stack([reports[r.request_id] for r in due])
-            with torch.no_grad():
+            with torch.no_grad(), self._invariance():
                 logits = self.model.lm_head(hidden.to(self.runner.device)).float()
             outputs = [self._advance(r, row) for r, row in zip(due, logits)]
         self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
@@ -206,7 +219,8 @@ class Engine:
         """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""
         self.runner.ring_stats = RingStats()
         start = time.perf_counter()
-        reports = self.runner.step(plan[self.mesh.ep_rank])
+        with self._invariance():
+            reports = self.runner.step(plan[self.mesh.ep_rank])
         moe = [layer.mlp.last_stats for layer in self.model.layers if layer.mlp.last_stats is not None]
         ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
         if self.record_steps:
@@ -220,6 +234,9 @@ class Engine:
             "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
         }
         return reports, stats
+
+    def _invariance(self):
+        return batch_invariant() if self.deterministic else contextlib.nullcontext()
 
     def run_worker(self) -> None:
         """On every rank but the driver: run the driver's plans until it calls ``shutdown``."""

@@ -58,10 +58,12 @@ class WorkItem:
 
 
 class ModelRunner:
-    def __init__(self, model: MoETransformer, num_blocks: int, block_size: int, backend: str = "auto"):
+    def __init__(self, model: MoETransformer, num_blocks: int, block_size: int, backend: str = "auto",
+                 deterministic: bool = False):
         config = model.config
         param = model.embed_tokens.weight
         self.model, self.block_size, self.backend = model.eval(), block_size, backend
+        self.deterministic = deterministic
         self.mesh, self.layout = model.mesh, model.layout
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
@@ -127,7 +129,7 @@ class ModelRunner:
                 self._write(index, paged_slots, k[rows], v[rows])
                 out[rows] = paged_attention(q[rows], self.k_cache[index], self.v_cache[index], cu,
                                             [i.start + n for i, _, n in paged], [i.tables[0] for i, _, _ in paged],
-                                            self.backend)
+                                            self.backend, self.deterministic)
             if decodes:
                 out_parts, lse_parts = [], []
                 for item, offset, _ in decodes:

@@ -1,0 +1,64 @@
+"""Batch-invariant matrix products: a token's result does not depend on the other tokens in the call.
+
+A GEMM library picks its kernel (and so its summation order) from the matrix shapes: the same row
+multiplied alone (M = 1) and inside a batch (M = 2048) can differ in the last bits.  Inside
+``batch_invariant()``, ``linear`` cuts the rows into fixed tiles of ``rows`` (the last one padded)
+and multiplies them with one batched GEMM whose every item has the same shape, so each row is
+computed by the same kernel in the same order whatever surrounds it.  The serving engine's
+deterministic mode runs every step inside it (attention has its own fixed-tile path,
+``attention.paged``).  Outside it, ``linear`` is ``torch.nn.functional.linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["batch_invariant", "tile_rows", "linear", "InvariantLinear"]
+
+_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringmoe_batch_invariant_rows", default=None)
+
+
+@contextlib.contextmanager
+def batch_invariant(rows: int = 16):
+    """Within the block, ``linear`` (and the kernels that ask ``tile_rows``) are batch-invariant."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def tile_rows() -> int | None:
+    """The fixed tile height in force, or None outside ``batch_invariant``."""
+    return _ROWS.get()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in).T (+ bias), batch-invariant inside ``batch_invariant``."""
+    rows = _ROWS.get()
+    if rows is None:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    count = flat.shape[0]
+    tiles = -(-count // rows)
+    padded = torch.zeros(tiles * rows, flat.shape[1], dtype=flat.dtype, device=flat.device)
+    padded[:count] = flat
+    out = torch.bmm(padded.view(tiles, rows, -1), weight.t().expand(tiles, *weight.t().shape))
+    out = out.reshape(tiles * rows, -1)[:count]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class InvariantLinear(nn.Linear):
+    """nn.Linear whose product is batch-invariant inside ``batch_invariant`` (same parameters and names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
