@@ -3,11 +3,13 @@
 Checkpoint: a random MixtralForCausalLM with the small preset's shapes (4 layers, hidden 256, 8 experts
 top-2), float32, written by transformers.  Requests: prompt lengths drawn uniformly from
 [16, max_len], greedy, a fixed number of new tokens each (EOS ignored, so both sides do the same work).
-Peer: ``model.generate_batch`` (transformers' continuous batching manager, paged cache, SDPA-paged attention).
-Also: the prefix cache on a shared system prompt (on vs off).  Each run is its own forked process
-(2 threads), so the peak RSS is its own.  Writes benchmarks/results/engine.json and engine.png.
+Peer: ``model.generate_batch`` (transformers' continuous batching manager with its paged cache).
+Also, on the ringmoe side: the deterministic mode, the prefix cache on a shared 512-token system
+prompt (on vs off), and the time to first token of one long prompt at cp=2 (2 ranks x 1 thread, ring
+prefill) vs one process (2 threads).  Each run is its own forked process, so the peak RSS is its own.
+Writes benchmarks/results/engine.json and engine.png.
 
-    python benchmarks/bench_engine.py [--requests 64] [--max-len 512] [--new 32]
+    python benchmarks/bench_engine.py [--workloads 64:1024:128,256:512:32] [--long 32768]
 """
 
 from __future__ import annotations
@@ -37,18 +39,44 @@ def prompts(count: int, max_len: int, seed: int = 1, shared: int = 0) -> list[li
     return [system + torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def ringmoe_rank(rank, world, path, requests, new, prefix_caching=True):
+def ringmoe_rank(rank, world, path, requests, new, prefix_caching=True, deterministic=False):
     from ringmoe.serve import Engine, SamplingParams
 
     engine = Engine(load_checkpoint(path), kv_cache_tokens=sum(len(p) + new for p in requests) + 1024,
-                    max_num_seqs=64, max_num_batched_tokens=2048, prefix_caching=prefix_caching)
+                    max_num_seqs=64, max_num_batched_tokens=2048, prefix_caching=prefix_caching,
+                    deterministic=deterministic)
     engine.generate([requests[0][:16]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-    start = time.perf_counter()
-    outs = engine.generate(requests, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in requests]
+    usage, start = [], time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+        usage.append(engine.last_stats.kv_usage)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "output_tokens": sum(len(o.output_ids) for o in outs),
-            "ttft_s": sorted(o.timings["ttft_s"] for o in outs), "peak_rss_mib": peak_rss_bytes() / 2**20,
-            "prefix_hit_tokens": engine.blocks.hit_tokens, "tokens": [o.output_ids for o in outs]}
+    done = [engine.requests[i] for i in ids]
+    return {"seconds": seconds, "output_tokens": sum(len(r.output_ids) for r in done),
+            "ttft_s_p50": sorted(r.timings()["ttft_s"] for r in done)[len(done) // 2],
+            "peak_rss_mib": peak_rss_bytes() / 2**20, "kv_usage_peak": max(usage),
+            "kv_usage_mean": sum(usage) / len(usage), "prefix_hit_tokens": engine.blocks.hit_tokens,
+            "tokens": [r.output_ids for r in done]}
+
+
+def long_prompt_rank(rank, world, path, length, cp):
+    """Time to first token of one ``length``-token prompt on a cp x 1 mesh (ring prefill when cp > 1)."""
+    from ringmoe.parallel import make_mesh
+    from ringmoe.serve import Engine, SamplingParams
+
+    engine = Engine(load_checkpoint(path, make_mesh(cp, 1)), kv_cache_tokens=length // cp + 256,
+                    max_num_batched_tokens=length, prefix_caching=False)
+    prompt = torch.randint(0, preset("small").vocab_size, (length,), generator=torch.Generator().manual_seed(5))
+    if rank != 0:
+        engine.run_worker()
+        return {"peak_rss_mib": peak_rss_bytes() / 2**20}
+    engine.generate([prompt[:64].tolist()], SamplingParams(temperature=0, max_tokens=1))  # warm-up
+    start = time.perf_counter()
+    out = engine.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=1))[0]
+    ttft = time.perf_counter() - start
+    engine.shutdown()
+    return {"ttft_s": ttft, "token": out.output_ids[0], "peak_rss_mib": peak_rss_bytes() / 2**20}
 
 
 def transformers_rank(rank, world, path, requests, new):
@@ -70,50 +98,67 @@ def transformers_rank(rank, world, path, requests, new):
 
 def plot(data, path):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(10, 4))
     names = list(data)
-    ax.bar(names, [data[n] for n in names])
+    ax.bar(range(len(names)), [data[n] for n in names], color=["C0", "C1", "C2"] * (len(names) // 3 + 1))
+    ax.set_xticks(range(len(names)), names, fontsize=7)
     ax.set_ylabel("output tokens / s")
     ax.set_title("serving throughput, same checkpoint and requests (2 threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def _strip(run: dict) -> dict:
+    out = {k: v for k, v in run.items() if k != "tokens"}
+    out["output_tokens_per_s"] = run["output_tokens"] / run["seconds"]
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--workloads", default="64:1024:128,256:512:32",
+                        help="requests:max_prompt_len:new_tokens, comma separated")
+    parser.add_argument("--long", type=int, default=32768, help="tokens of the long prompt (0: skip)")
     args = parser.parse_args()
+    workloads, bars = [], {}
     with tempfile.TemporaryDirectory() as folder:
         spawn(save_checkpoint, 1, folder)
-        requests = prompts(args.requests, args.max_len)
-        ours = spawn(ringmoe_rank, 1, folder, requests, args.new, threads_per_rank=2, timeout=3600)[0]
-        print("ringmoe engine", ours["seconds"], ours["output_tokens"] / ours["seconds"])
-        theirs = spawn(transformers_rank, 1, folder, requests, args.new, threads_per_rank=2, timeout=3600)[0]
-        print("transformers generate_batch", theirs["seconds"], theirs["output_tokens"] / theirs["seconds"])
+        for spec in args.workloads.split(","):
+            count, max_len, new = (int(x) for x in spec.split(":"))
+            requests = prompts(count, max_len)
+            runs = {}
+            for name, fn, extra in [("ringmoe", ringmoe_rank, (True, False)),
+                                    ("ringmoe_deterministic", ringmoe_rank, (True, True)),
+                                    ("transformers_generate_batch", transformers_rank, ())]:
+                runs[name] = spawn(fn, 1, folder, requests, new, *extra, threads_per_rank=2, timeout=3600)[0]
+                print(spec, name, f"{runs[name]['output_tokens'] / runs[name]['seconds']:.1f} tok/s", flush=True)
+            same = sum(a == b for a, b in zip(runs["ringmoe"]["tokens"], runs["transformers_generate_batch"]["tokens"]))
+            ours, theirs = (runs[k]["output_tokens"] / runs[k]["seconds"] for k in ("ringmoe", "transformers_generate_batch"))
+            det = runs["ringmoe_deterministic"]["output_tokens"] / runs["ringmoe_deterministic"]["seconds"]
+            workloads.append({"requests": count, "prompt_len": [16, max_len], "new_tokens": new,
+                              "runs": {k: _strip(v) for k, v in runs.items()},
+                              "throughput_ratio_vs_transformers": ours / theirs,
+                              "deterministic_slowdown": ours / det,
+                              "requests_with_identical_greedy_tokens": f"{same} of {count}"})
+            bars.update({f"{k}\n{spec}": v["output_tokens"] / v["seconds"] for k, v in runs.items()})
+            print(workloads[-1]["throughput_ratio_vs_transformers"], workloads[-1]["deterministic_slowdown"], flush=True)
         shared = prompts(32, 32, seed=2, shared=512)
-        hit = spawn(ringmoe_rank, 1, folder, shared, args.new, True, threads_per_rank=2, timeout=3600)[0]
-        miss = spawn(ringmoe_rank, 1, folder, shared, args.new, False, threads_per_rank=2, timeout=3600)[0]
-    same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-    rows = {
-        "ringmoe_engine": {k: v for k, v in ours.items() if k != "tokens"},
-        "transformers_generate_batch": {k: v for k, v in theirs.items() if k != "tokens"},
-        "prefix_cache_on": {k: v for k, v in hit.items() if k != "tokens"},
-        "prefix_cache_off": {k: v for k, v in miss.items() if k != "tokens"},
-    }
-    for row in rows.values():
-        row["output_tokens_per_s"] = row["output_tokens"] / row["seconds"]
-    summary = {
-        "throughput_ratio_vs_transformers": rows["ringmoe_engine"]["output_tokens_per_s"]
-        / rows["transformers_generate_batch"]["output_tokens_per_s"],
-        "prefix_hit_speedup": miss["seconds"] / hit["seconds"],
-        "requests_with_identical_greedy_tokens": f"{same} of {len(requests)}",
-    }
-    print(summary)
-    write_results("engine", {"requests": args.requests, "prompt_len": [16, args.max_len], "new_tokens": args.new,
-                             "dtype": "float32", "threads": 2, "runs": rows, "summary": summary},
-                  plot, {k: v["output_tokens_per_s"] for k, v in rows.items()})
+        hit = spawn(ringmoe_rank, 1, folder, shared, 32, True, threads_per_rank=2, timeout=3600)[0]
+        miss = spawn(ringmoe_rank, 1, folder, shared, 32, False, threads_per_rank=2, timeout=3600)[0]
+        prefix = {"requests": 32, "shared_tokens": 512, "own_tokens": [16, 32], "new_tokens": 32,
+                  "on": _strip(hit), "off": _strip(miss), "speedup": miss["seconds"] / hit["seconds"]}
+        print("prefix", prefix["speedup"], flush=True)
+        long = {}
+        if args.long:
+            one = spawn(long_prompt_rank, 1, folder, args.long, 1, threads_per_rank=2, timeout=3600)[0]
+            ring = spawn(long_prompt_rank, 2, folder, args.long, 2, threads_per_rank=1, timeout=3600)
+            long = {"tokens": args.long, "one_process_ttft_s": one["ttft_s"], "cp2_ttft_s": ring[0]["ttft_s"],
+                    "speedup": one["ttft_s"] / ring[0]["ttft_s"], "same_first_token": one["token"] == ring[0]["token"],
+                    "peak_rss_mib": {"one_process": one["peak_rss_mib"],
+                                     "cp2_per_rank": [r["peak_rss_mib"] for r in ring]}}
+            print("long", long, flush=True)
+    write_results("engine", {"dtype": "float32", "threads": 2, "workloads": workloads, "prefix_cache": prefix,
+                             "long_prompt": long}, plot, bars)
 
 
 if __name__ == "__main__":

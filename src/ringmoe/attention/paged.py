@@ -9,72 +9,78 @@ is aligned bottom-right, so query i of n sees keys up to cache_seqlens[b] - n + 
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from .api import flash_attn_func
 
 __all__ = ["paged_attention", "invariant_causal_attention"]
 
-KEY_TILE = 64
+KEY_TILE = 128
 
 
 def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int = 16) -> torch.Tensor:
     """Causal attention whose every query row is computed the same way whatever the other rows are.
 
     q (n, heads, D): the last n positions of a sequence whose keys are k, v (ctx, kv_heads, D).
-    Keys are taken in fixed tiles of KEY_TILE from position 0, queries in padded tiles of ``rows``,
-    every product a batched GEMM of one shape, and the online softmax runs over the key tiles in
-    order: a row's result depends only on its own query and the keys it sees, not on how many
-    queries share the call or where the chunk starts.  Masked entries add exact zeros.
+    Queries are cut into padded tiles of ``rows`` and keys into tiles of KEY_TILE from position 0;
+    each key tile meets every query tile in one batched GEMM whose items all have one shape, and the
+    online softmax runs over the key tiles in order.  A row's result so depends only on its own query
+    and the keys it sees, not on how many queries share the call or where the chunk starts: key
+    tiles past a row's position are masked whole and add exact zeros (the running max is already
+    finite from key 0, so the rescale factor is exp(0) = 1).
     """
     n, heads, dim = q.shape
     ctx, kv_heads = k.shape[0], k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    scale = dim**-0.5
     group = heads // kv_heads
-    keys = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)    # (H, ctx, D)
-    values = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
-    pad_k = -(-ctx // KEY_TILE) * KEY_TILE - ctx
-    keys = torch.nn.functional.pad(keys, (0, 0, 0, pad_k))
-    values = torch.nn.functional.pad(values, (0, 0, 0, pad_k))
-    out = torch.empty(n, heads, dim, dtype=acc, device=q.device)
-    key_pos = torch.arange(keys.shape[1], device=q.device)
-    for q0 in range(0, n, rows):
-        tile = q[q0:q0 + rows].to(acc).transpose(0, 1)                 # (H, <=rows, D)
-        real = tile.shape[1]
-        tile = torch.nn.functional.pad(tile, (0, 0, 0, rows - real))
-        query_pos = ctx - n + q0 + torch.arange(rows, device=q.device)  # padded rows: later positions
-        m = torch.full((heads, rows, 1), float("-inf"), dtype=acc, device=q.device)
-        total = torch.zeros(heads, rows, 1, dtype=acc, device=q.device)
-        o = torch.zeros(heads, rows, dim, dtype=acc, device=q.device)
-        last = min(int(query_pos[real - 1]) + 1, ctx)
-        for k0 in range(0, last, KEY_TILE):
-            s = torch.bmm(tile, keys[:, k0:k0 + KEY_TILE].transpose(1, 2)) * scale     # (H, rows, KEY_TILE)
-            visible = key_pos[k0:k0 + KEY_TILE][None, :] <= query_pos[:, None]
-            visible &= key_pos[k0:k0 + KEY_TILE][None, :] < ctx
-            s = s.masked_fill(~visible, float("-inf"))
-            new_m = torch.maximum(m, s.amax(-1, keepdim=True))
-            alpha = torch.exp(m - new_m)
-            p = torch.exp(s - new_m)
-            total = total * alpha + p.sum(-1, keepdim=True)
-            o = o * alpha + torch.bmm(p, values[:, k0:k0 + KEY_TILE])
-            m = new_m
-        out[q0:q0 + real] = (o / total).transpose(0, 1)[:real]
-    return out.to(q.dtype)
+    tiles = -(-n // rows)
+    pad_q, pad_k = tiles * rows - n, -(-ctx // KEY_TILE) * KEY_TILE - ctx
+    queries = torch.nn.functional.pad(q.to(acc), (0, 0, 0, 0, 0, pad_q))            # (tiles * rows, H, D)
+    queries = queries.view(tiles, rows, heads, dim).transpose(1, 2).contiguous()     # (tiles, H, rows, D)
+    keys = torch.nn.functional.pad(k.to(acc).repeat_interleave(group, dim=1), (0, 0, 0, 0, 0, pad_k))
+    values = torch.nn.functional.pad(v.to(acc).repeat_interleave(group, dim=1), (0, 0, 0, 0, 0, pad_k))
+    keys, values = keys.permute(1, 2, 0)[None], values.transpose(0, 1)[None]           # (1, H, D, K), (1, H, K, D)
+    first_pos = ctx - n                                                                # position of query row 0
+    query_pos = (first_pos + torch.arange(tiles * rows, device=q.device)).view(tiles, 1, rows, 1)
+    m = torch.full((tiles, heads, rows, 1), float("-inf"), dtype=acc, device=q.device)
+    total = torch.zeros(tiles, heads, rows, 1, dtype=acc, device=q.device)
+    out = torch.zeros(tiles, heads, rows, dim, dtype=acc, device=q.device)
+    scale = dim**-0.5
+    for k0 in range(0, ctx, KEY_TILE):
+        # query tiles that end before this key tile see none of it: skipping them is exact (see above)
+        t0 = max(0, (k0 - first_pos) // rows)
+        key_pos = k0 + torch.arange(KEY_TILE, device=q.device)
+        s = torch.matmul(queries[t0:], keys[..., k0:k0 + KEY_TILE]) * scale            # (tiles - t0, H, rows, K)
+        visible = (key_pos <= query_pos[t0:]) & (key_pos < ctx)
+        s = s.masked_fill(~visible, float("-inf"))
+        new_m = torch.maximum(m[t0:], s.amax(-1, keepdim=True))
+        alpha = torch.exp(m[t0:] - new_m)
+        p = torch.exp(s - new_m)
+        total[t0:] = total[t0:] * alpha + p.sum(-1, keepdim=True)
+        out[t0:] = out[t0:] * alpha + torch.matmul(p, values[:, :, k0:k0 + KEY_TILE])
+        m[t0:] = new_m
+    out = (out / total).transpose(1, 2).reshape(tiles * rows, heads, dim)
+    return out[:n].to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: list[int],
                     cache_seqlens: list[int], block_tables: list[list[int]], backend: str = "auto",
-                    deterministic: bool = False) -> torch.Tensor:
+                    deterministic: bool | list[bool] = False) -> torch.Tensor:
     """q (total_q, heads, head_dim) -> out (total_q, heads, head_dim), causal within each sequence.
 
-    The CPU path gathers each sequence's blocks into contiguous K/V and runs the chosen
-    FlashAttention backend on it (the gathered copy is the sequence's context, not N x N);
-    deterministic=True uses ``invariant_causal_attention`` instead.
+    backend "triton" (or "auto" on CUDA) runs the fused paged kernel (``triton_paged``), which reads
+    the pages in place.  Otherwise each sequence's blocks are gathered into contiguous K/V and the
+    chosen FlashAttention backend runs on them (the gathered copy is the sequence's context, not
+    N x N); deterministic=True (or True for a sequence in a list) uses ``invariant_causal_attention``.
     """
     block_size = k_cache.shape[1]
     if len(cu_seqlens_q) != len(cache_seqlens) + 1 or len(block_tables) != len(cache_seqlens):
         raise ValueError("cu_seqlens_q must have one more entry than cache_seqlens and block_tables")
+    fixed = deterministic if isinstance(deterministic, list) else [deterministic] * len(cache_seqlens)
+    if not any(fixed) and _use_triton(backend, q):
+        return _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables)
     out = torch.empty_like(q)
     for b, context in enumerate(cache_seqlens):
         q0, q1 = cu_seqlens_q[b], cu_seqlens_q[b + 1]
@@ -85,8 +91,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         blocks = torch.tensor(block_tables[b][: -(-context // block_size)], dtype=torch.long, device=q.device)
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:context]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
-        if deterministic:
+        if fixed[b]:
             out[q0:q1] = invariant_causal_attention(q[q0:q1], k, v)
         else:
             out[q0:q1] = flash_attn_func(q[None, q0:q1], k[None], v[None], causal=True, backend=backend)[0]
     return out
+
+
+def _use_triton(backend: str, q: torch.Tensor) -> bool:
+    """auto: on CUDA when Triton is installed; "triton": always, or ValueError saying why it cannot run."""
+    if backend == "auto":
+        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and importlib.util.find_spec("triton") is not None)
+    if backend != "triton":
+        return False
+    try:
+        from . import triton_flash
+    except ImportError as error:
+        raise ValueError(f"backend='triton' needs Triton installed ({error})") from None
+    reason = triton_flash.triton_unsupported(q, q, None)
+    if reason is not None:
+        raise ValueError(reason)
+    return True
+
+
+def _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables):
+    from .triton_paged import triton_paged_attention
+
+    device = q.device
+    width = max((len(t) for t in block_tables), default=1) or 1
+    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for row, blocks in enumerate(block_tables):
+        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    lengths = [b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])]
+    return triton_paged_attention(q, k_cache, v_cache, torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
+                                  torch.tensor(cache_seqlens, dtype=torch.int32, device=device), table.to(device),
+                                  max(lengths, default=1))

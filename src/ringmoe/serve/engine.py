@@ -212,8 +212,9 @@ class Engine:
             kind = "ring" if request.num_computed == 0 else "decode"
             return WorkItem(request.request_id, tokens, request.num_computed, blocks.block_table(request.request_id),
                             kind, blocks.ring_len[request.request_id], due)
+        generated = count == 1 and request.num_computed >= len(request.prompt_ids)
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
-                        "paged", 0, due)
+                        "paged", 0, due, generated)
 
     def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
         """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""

@@ -46,6 +46,9 @@ class WorkItem:
     kind: "paged" | "ring" | "decode".  tables: the request's block table on each cp rank.
     ring_len: tokens prefilled by the ring in the request's current residency (cp > 1).
     report: the driver needs the last token's hidden state (a new token is due).
+    generated: every token of the item is a generated one, computed alone as a decode (in
+    deterministic mode such items may use the fast kernel: a decode at position p always has the
+    same shapes; prompt positions, whose chunking varies, use the fixed-tile kernel).
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class WorkItem:
     kind: str = "paged"
     ring_len: int = 0
     report: bool = True
+    generated: bool = False
 
 
 class ModelRunner:
@@ -129,7 +133,8 @@ class ModelRunner:
                 self._write(index, paged_slots, k[rows], v[rows])
                 out[rows] = paged_attention(q[rows], self.k_cache[index], self.v_cache[index], cu,
                                             [i.start + n for i, _, n in paged], [i.tables[0] for i, _, _ in paged],
-                                            self.backend, self.deterministic)
+                                            self.backend,
+                                            [self.deterministic and not i.generated for i, _, _ in paged])
             if decodes:
                 out_parts, lse_parts = [], []
                 for item, offset, _ in decodes:
