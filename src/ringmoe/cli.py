@@ -166,6 +166,113 @@ def _simulate(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server for a checkpoint, on one process or a cp x ep mesh",
+        description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Rank 0 runs "
+                    "the HTTP front end and the engine's driver; the other ranks run the step loop. SIGTERM drains "
+                    "in-flight requests, then exits 0.")
+    serve.add_argument("--model", required=True, metavar="DIR", help="a transformers checkpoint folder (config.json, "
+                       "safetensors, tokenizer.json)")
+    serve.add_argument("--cp", type=_positive, default=1, help="context-parallel degree (ring prefill)")
+    serve.add_argument("--ep", type=_positive, default=1, help="expert-parallel degree (ep groups are data-parallel "
+                       "replicas for attention)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the folder's)")
+    serve.add_argument("--max-num-seqs", type=_positive, default=64, help="running requests per ep group")
+    serve.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per step per ep group")
+    serve.add_argument("--kv-cache-tokens", type=_positive, default=65536, help="KV cache per rank, in tokens")
+    serve.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    serve.add_argument("--max-model-len", type=_positive, default=None, help="prompt + output limit")
+    serve.add_argument("--max-waiting", type=_positive, default=1024, help="waiting requests before 429")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    serve.add_argument("--deterministic", action="store_true", help="bitwise-reproducible tokens whatever the batch")
+    serve.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
+                       help="spawn: local ranks (default); torchrun: this process is one rank")
+
+
+def _add_bench(sub) -> None:
+    bench_parser = sub.add_parser("bench", help="load benchmarks")
+    bench = bench_parser.add_subparsers(dest="bench_command", required=True)
+    serve = bench.add_parser("serve", help="load any OpenAI-compatible server: throughput, TTFT, TPOT, ITL, latency",
+                             description="Poisson arrivals of streaming /v1/completions requests, bounded in count "
+                                         "and time; one run per --rate; JSON (and a PNG with --png).")
+    serve.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    serve.add_argument("--model", required=True, help="model name to send")
+    serve.add_argument("--rate", default="inf", help="requests per second, comma separated (inf: all at once)")
+    serve.add_argument("--num-prompts", type=_positive, default=32)
+    serve.add_argument("--concurrency", type=_positive, default=32)
+    serve.add_argument("--input-len", default="64", help="prompt words: N or LO:HI")
+    serve.add_argument("--output-len", default="64", help="max_tokens: N or LO:HI")
+    serve.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds per request")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    serve.add_argument("--png", metavar="FILE", help="draw latency and throughput against the request rate")
+    for parser in (bench_parser, serve):
+        parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _span(flag: str, text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        span = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"{flag} must be N or LO:HI, got {text!r}") from None
+    if not 1 <= span[0] <= span[1]:
+        raise ValueError(f"{flag} must satisfy 1 <= LO <= HI, got {text!r}")
+    return span
+
+
+def _bench_serve(args) -> int:
+    from rich.console import Console
+
+    from .serve.bench import BenchConfig, plot, run_benchmark
+
+    try:
+        rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rate.split(",")]
+    except ValueError:
+        raise ValueError(f"--rate must be numbers or inf, comma separated, got {args.rate!r}") from None
+    if any(not r > 0 for r in rates):
+        raise ValueError(f"--rate must be > 0, got {args.rate!r}")
+    for flag, path in (("--out", args.out), ("--png", args.png)):
+        if path:
+            _writable_file(flag, path)
+    if args.png:
+        _require_matplotlib("--png")
+    console, runs = Console(), []
+    for rate in rates:
+        config = BenchConfig(args.url.rstrip("/"), args.model, args.num_prompts, rate, args.concurrency,
+                             _span("--input-len", args.input_len), _span("--output-len", args.output_len),
+                             args.seed, args.timeout)
+        result = run_benchmark(config)
+        runs.append(result)
+        console.print(f"rate {result['rate']}: {result['completed']}/{args.num_prompts} ok, {result['errors']} errors, "
+                      f"{result['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {result['ttft_s']['p50'] * 1e3:.0f} ms "
+                      f"p99 {result['ttft_s']['p99'] * 1e3:.0f} ms, TPOT p50 {result['tpot_s']['p50'] * 1e3:.1f} ms, "
+                      f"e2e p99 {result['e2e_s']['p99']:.2f} s")
+        if result["errors"]:
+            console.print(f"  errors, e.g.: {result['error_examples']}")
+    if args.out:
+        import json
+
+        Path(args.out).write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    if args.png:
+        plot(runs, args.png)
+    return 0 if all(r["errors"] == 0 for r in runs) else 1
+
+
+def _serve(args) -> int:
+    from .serve.service import ServeOptions, run_server
+
+    options = ServeOptions(model=args.model, cp=args.cp, ep=args.ep, host=args.host, port=args.port,
+                           served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                           block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+                           deterministic=args.deterministic, dtype=args.dtype)
+    return run_server(options, args.launcher)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringmoe",
@@ -180,7 +287,9 @@ def _parser() -> argparse.ArgumentParser:
     attention.add_argument("--seqlen", type=_positive, default=4096, help="tokens (default 4096)")
     attention.add_argument("--seed", type=int, default=0, help="random seed")
     _add_simulate(sub)
-    for name in ("demo", "simulate"):  # --debug after the command too
+    _add_serve(sub)
+    _add_bench(sub)
+    for name in ("demo", "simulate", "serve"):  # --debug after the command too
         sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                        help="show tracebacks of errors")
     return parser
@@ -189,6 +298,10 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "bench":
+        return _bench_serve(args)
     if args.command == "attention":
         from .demo import attention_showcase
 

@@ -72,6 +72,17 @@ def test_greedy_tokens_equal_transformers(checkpoint, setting):
         assert any(r.preemptions for r in engine.requests.values()), "the tiny cache should have forced preemption"
 
 
+def test_a_prompt_of_a_few_hundred_tokens_among_short_ones(checkpoint, tmp_path):
+    path, want = checkpoint
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
+    long = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(8)).tolist()
+    engine = Engine(load_checkpoint(path, dtype=torch.float64), max_num_batched_tokens=64, block_size=16)
+    outs = engine.generate([long] + _prompts()[:3], [SamplingParams(temperature=0, max_tokens=n) for n in (5, *NEW[:3])])
+    assert outs[0].output_ids == _hf_greedy(hf, long, 5)
+    assert [o.output_ids for o in outs[1:]] == want[:3]
+
+
 def test_prefix_cache_hits_give_the_same_tokens(checkpoint):
     path, want = checkpoint
     engine = Engine(load_checkpoint(path, dtype=torch.float64), block_size=4)
@@ -105,6 +116,11 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(checkpoint):
     path, want = checkpoint
     engine = Engine(load_checkpoint(path, dtype=torch.float64), kv_cache_tokens=256)
     good = engine.add_request(_prompts()[2], SamplingParams(temperature=0, max_tokens=NEW[2]))
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        Engine(load_checkpoint(path), kv_cache_bytes=100)
+    c = load_checkpoint(path).config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, float32
+    assert Engine(load_checkpoint(path), kv_cache_bytes=2**20).blocks.num_blocks == 2**20 // per_token // 16
     for prompt, params, match in [([], None, "at least one token"), ([1, VOCAB], None, "token ids must lie"),
                                   ([1] * 250, SamplingParams(max_tokens=10), "exceeds"),
                                   ("text", None, "need a tokenizer"), ([1, 2], "greedy", "SamplingParams")]:

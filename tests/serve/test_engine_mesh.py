@@ -29,6 +29,13 @@ def checkpoint(tmp_path_factory):
     return path, [_hf_greedy(hf, p, n) for p, n in zip(_prompts(), NEW)]
 
 
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-mesh")
+    hf = _save("qwen3", path)
+    return path, [_hf_greedy(hf, p, n) for p, n in zip(_prompts(), NEW)]
+
+
 def _serve_rank(rank, world, path, cp, ep, layout, settings, abort_after):
     mesh = make_mesh(cp, ep)
     engine = Engine(load_checkpoint(path, mesh, layout, dtype=torch.float64), **settings)
@@ -70,6 +77,14 @@ def test_greedy_tokens_on_meshes_equal_transformers(checkpoint, cp, ep, layout, 
     assert expert_rows > 0
     if "kv_cache_tokens" in settings:
         assert preempted > 0
+
+
+@pytest.mark.parametrize("cp, ep", [(2, 1), (1, 2), (2, 2)])
+def test_qwen3_on_meshes_equals_transformers(qwen3_checkpoint, cp, ep):
+    path, want = qwen3_checkpoint
+    tokens, *_ = spawn(_serve_rank, cp * ep, str(path), cp, ep, "zigzag", dict(block_size=8), -1, timeout=240,
+                       stall_timeout=60)[0]
+    assert tokens == want
 
 
 def test_abort_on_a_mesh(checkpoint):

@@ -263,13 +263,22 @@ class _Job:
 
 
 @contextlib.contextmanager
-def _signals_raise():
-    """In the main thread: SIGTERM raises JobInterrupted (SIGINT already raises KeyboardInterrupt)."""
+def _signals_raise(forward_to=None):
+    """In the main thread: SIGTERM raises JobInterrupted (SIGINT already raises KeyboardInterrupt).
+
+    forward_to: a callable that, on the first SIGTERM, passes the signal on (a server rank that drains
+    and then ends the job) instead; a second SIGTERM raises.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    forwarded = []
 
     def handler(signum, frame):
+        if forward_to is not None and not forwarded:
+            forwarded.append(signum)
+            forward_to(signum)
+            return
         raise JobInterrupted(signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -288,6 +297,7 @@ def spawn(
     timeout: float | None = 300.0,
     stall_timeout: float | None = None,
     on_poll: Callable[[], None] | None = None,
+    forward_sigterm_to: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results in rank order.
 
@@ -295,6 +305,8 @@ def spawn(
     timeout: seconds for the whole run (None: no limit).  stall_timeout: seconds without a progress beat
     from any rank (None: off; ranks beat through ``ringmoe.parallel.watchdog.activity``).
     on_poll: called about every 0.1 s while the ranks run (e.g. to refresh a progress bar).
+    forward_sigterm_to: a rank that handles SIGTERM itself (a server that drains): the first SIGTERM
+    is sent on to it and the job may end normally; a second one stops every rank.
     Raises RankFailed naming the first failing or stuck rank, JobInterrupted on SIGTERM; every rank is
     stopped before spawn returns or raises.
     """
@@ -308,7 +320,13 @@ def spawn(
     pg_timeout = max(timeout or 0.0, 1800.0)
     start = time.monotonic()
     job = None
-    with _signals_raise():
+
+    def forward(signum):
+        if job is not None and job.procs[forward_sigterm_to].pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job.procs[forward_sigterm_to].pid, signum)
+
+    with _signals_raise(forward if forward_sigterm_to is not None else None):
         try:
             job = _Job(fn, world_size, args, backend, threads_per_rank, pg_timeout)
             while job.pending:

@@ -60,13 +60,16 @@ class StepStats:
     tokens_per_expert: list = field(default_factory=list)
     tokens_per_ep_rank: list = field(default_factory=list)
     ring_exposed_comm: float = 0.0
+    dropped_tokens: int = 0
+    prefix_query_tokens: int = 0
 
 
 class Engine:
     """Continuous batching for a ``MoETransformer`` on one process or a cp x ep mesh.
 
     kv_cache_tokens: KV cache size per rank in tokens, rounded up to whole blocks of ``block_size``
-    (bytes: ``runner.bytes_per_token`` each).  max_num_seqs and max_num_batched_tokens apply per ep
+    (bytes: ``runner.bytes_per_token`` each); or kv_cache_bytes: a memory budget per rank, converted
+    to tokens (kv_cache_tokens is then ignored).  max_num_seqs and max_num_batched_tokens apply per ep
     group.  tokenizer: a ``serve.Tokenizer`` (needed for text prompts, text output and stop strings).
     Prefix caching is used at cp = 1 (ring prefill computes whole sequences).  record_steps: keep each
     step's seconds, ring statistics and MoE statistics on every rank (``runner.history``).
@@ -78,12 +81,21 @@ class Engine:
     token's experts depend on the others).
     """
 
-    def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int = 32768, block_size: int = 16,
+    def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int | None = 32768, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, kv_cache_bytes: int | None = None):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
+        if kv_cache_bytes is not None:
+            if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) or kv_cache_bytes < 1:
+                raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+            c = model.config
+            per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
+            kv_cache_tokens = kv_cache_bytes // per_token
+            if kv_cache_tokens < block_size:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {kv_cache_tokens} tokens "
+                                 f"({per_token} bytes each): less than one block of {block_size}")
         if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -114,6 +126,20 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(seed)
         self._group_of: dict[str, int] = {}
         self.last_stats = StepStats()
+
+    @classmethod
+    def from_checkpoint(cls, path, mesh=None, dtype: torch.dtype | None = None, layout: str = "zigzag",
+                        **options) -> "Engine":
+        """The engine for a transformers checkpoint folder: weights (this rank's experts only) and, when the
+        folder has a tokenizer.json, its tokenizer, chat template and end-of-sequence ids."""
+        from pathlib import Path
+
+        from ..model import load_checkpoint
+        from .tokenizer import Tokenizer
+
+        model = load_checkpoint(path, mesh, layout, dtype=dtype)
+        tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return cls(model, tokenizer=tokenizer, **options)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -233,6 +259,7 @@ class Engine:
             "tokens_per_rank": sum(s.tokens_per_rank for s in moe).tolist()
             if moe and moe[0].tokens_per_rank is not None else [],
             "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
+            "dropped_tokens": sum(s.dropped_tokens for s in moe),
         }
         return reports, stats
 
@@ -322,6 +349,8 @@ class Engine:
             preempted=sum(len(b.preempted) for b in batches), step_s=seconds, tokens_per_expert=per_expert,
             tokens_per_ep_rank=per_rank,
             ring_exposed_comm=max((s["ring_exposed_comm"] for s in rank_stats), default=0.0),
+            dropped_tokens=sum(s["dropped_tokens"] for s in rank_stats),
+            prefix_query_tokens=sum(g.blocks.queried_tokens for g in groups),
         )
 
     # -- offline ----------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""The engine behind an asyncio server: one thread steps it, callers await per-request output queues.
+
+The engine is not thread-safe, so one thread owns it: it takes new requests and aborts from
+thread-safe inboxes between steps, steps while there is work (sleeping on an event otherwise), and
+hands every ``RequestOutput`` to the asyncio loop of the request's caller.  The event loop never
+waits for a model step.  If a step fails (a rank died, a collective broke), every open request gets
+the error, ``failed`` is set (``/health`` reports it), and ``on_failure`` is called once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from .engine import Engine
+from .sampling import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineFailed", "QueueFull"]
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread stopped on an error; no request can be served."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the server accepts (``max_waiting``)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    last_token: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int = 1024, on_step: Callable | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        self.engine, self.max_waiting = engine, max_waiting
+        self.on_step, self.on_failure = on_step, on_failure
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending = 0  # submitted, not yet taken by the engine thread
+        self._pending_lock = threading.Lock()
+        self.failed: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="ringmoe-engine", daemon=True)
+
+    def start(self) -> "AsyncEngine":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.failed is None and self.thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending + sum(len(g.waiting) for g in self.engine.groups)
+
+    # -- called from the event loop ------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+        """Queue a validated request; returns its id and the queue its outputs arrive on."""
+        if not self.alive:
+            raise EngineFailed(f"the engine stopped: {self.failed!r}")
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting={self.max_waiting})")
+        request_id = uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        self._streams[request_id] = stream
+        with self._pending_lock:
+            self._pending += 1
+        self._inbox.put((request_id, prompt_ids, params))
+        self._wake.set()
+        return request_id, stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Free a request's KV as soon as the engine thread gets to it (a client went away)."""
+        self._aborts.put(request_id)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        request_id, prompt_ids, params = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    with self._pending_lock:
+                        self._pending -= 1
+                    try:
+                        engine.add_request(prompt_ids, params, request_id=request_id)
+                    except (ValueError, TypeError) as error:
+                        self._deliver(request_id, error)
+                        self._streams.pop(request_id, None)
+                while True:
+                    try:
+                        request_id = self._aborts.get_nowait()
+                    except queue.Empty:
+                        break
+                    engine.abort(request_id)
+                    self._streams.pop(request_id, None)
+                if not engine.has_unfinished:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                if self.on_step is not None:
+                    self.on_step(engine.last_stats, outputs)
+        except BaseException as error:  # a rank died or a collective broke: fail every open request
+            self.failed = error
+            failure = EngineFailed(f"the engine stopped: {error}\n{traceback.format_exc()}")
+            for request_id in list(self._streams):
+                self._deliver(request_id, failure)
+            self._streams.clear()
+            if self.on_failure is not None:
+                self.on_failure(error)
+
+    def shutdown_mesh(self) -> None:
+        """After the thread has stopped: release the worker ranks (mesh engines)."""
+        if self.failed is None:
+            self.engine.shutdown()
+

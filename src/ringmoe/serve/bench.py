@@ -1,0 +1,180 @@
+"""`ringmoe bench serve`: load any OpenAI-compatible server and measure it.
+
+Requests arrive as a Poisson process of ``rate`` per second (``inf``: all at once), at most
+``concurrency`` in flight; each streams a /v1/completions answer.  Per request: time to first token
+(TTFT), inter-token latencies (ITL, between streamed chunks), time per output token after the first
+(TPOT) and end-to-end latency; per run: output and total tokens per second, percentiles, errors.
+Prompts are words drawn from a fixed list (about one token each; the server's usage counts are
+reported when it sends them).  Bounded: ``num_prompts`` requests and a per-request ``timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["BenchConfig", "run_benchmark", "percentiles"]
+
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or has had "
+         "not but first one their its new after who they have her she two been other when there all during "
+         "into school time may years more most only over city some world would where later up such used many "
+         "can state about national out known university united then made").split()
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    model: str
+    num_prompts: int = 32
+    rate: float = math.inf
+    concurrency: int = 32
+    input_len: tuple[int, int] = (64, 64)   # words per prompt, uniform in [lo, hi]
+    output_len: tuple[int, int] = (64, 64)  # max_tokens, uniform in [lo, hi]
+    seed: int = 0
+    timeout: float = 300.0
+    ignore_eos: bool = True
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list = field(default_factory=list)
+    error: str = ""
+
+
+def percentiles(values: list[float]) -> dict:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+
+    def at(q):
+        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+    return {"mean": statistics.fmean(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+async def _one(client, config: BenchConfig, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"model": config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    result, last = RequestResult(ok=False), None
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{config.url}/v1/completions", json=body, timeout=config.timeout) as reply:
+            if reply.status_code != 200:
+                result.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+                return result
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data.strip() == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except Exception as error:  # a refused connection, a timeout: counted as an error
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+async def _run(config: BenchConfig) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    rng = random.Random(config.seed)
+    jobs = []
+    for _ in range(config.num_prompts):
+        words = rng.randint(*config.input_len)
+        jobs.append((" ".join(rng.choice(WORDS) for _ in range(words)), rng.randint(*config.output_len)))
+    gate = asyncio.Semaphore(config.concurrency)
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=config.timeout) as client:
+        async def guarded(prompt, max_tokens):
+            async with gate:
+                return await _one(client, config, prompt, max_tokens)
+
+        tasks, start = [], time.perf_counter()
+        for prompt, max_tokens in jobs:
+            tasks.append(asyncio.create_task(guarded(prompt, max_tokens)))
+            if math.isfinite(config.rate):
+                await asyncio.sleep(rng.expovariate(config.rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def run_benchmark(config: BenchConfig) -> dict:
+    """Run the load; a JSON-ready summary."""
+    if config.num_prompts < 1 or config.concurrency < 1 or not config.rate > 0:
+        raise ValueError("num_prompts and concurrency must be >= 1 and rate > 0")
+    results, seconds = asyncio.run(_run(config))
+    ok = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "url": config.url, "model": config.model, "num_prompts": config.num_prompts,
+        "rate": "inf" if math.isinf(config.rate) else config.rate, "concurrency": config.concurrency,
+        "input_len": list(config.input_len), "output_len": list(config.output_len),
+        "duration_s": seconds, "completed": len(ok), "errors": len(results) - len(ok),
+        "error_examples": [r.error for r in results if not r.ok][:3],
+        "output_tokens": output, "prompt_tokens": prompt,
+        "output_tokens_per_s": output / seconds, "total_tokens_per_s": (output + prompt) / seconds,
+        "requests_per_s": len(ok) / seconds,
+        "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles(tpot),
+        "itl_s": percentiles([x for r in ok for x in r.itl]), "e2e_s": percentiles([r.e2e for r in ok]),
+    }
+
+
+def plot(runs: list[dict], path) -> None:
+    """Latency (p50 / p99 TTFT and TPOT) against request rate, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    servers = sorted({r.get("server", r["url"]) for r in runs})
+    for server in servers:
+        mine = [r for r in runs if r.get("server", r["url"]) == server]
+        rates = [r["requests_per_s"] for r in mine]
+        left.plot(rates, [r["ttft_s"]["p50"] for r in mine], "o-", label=f"{server} p50")
+        left.plot(rates, [r["ttft_s"]["p99"] for r in mine], "x--", label=f"{server} p99")
+        right.plot(rates, [r["output_tokens_per_s"] for r in mine], "o-", label=server)
+    left.set_xlabel("completed requests / s")
+    left.set_ylabel("time to first token, s")
+    left.legend(fontsize=7)
+    right.set_xlabel("completed requests / s")
+    right.set_ylabel("output tokens / s")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the server (``prometheus_client``, one registry per server).
+
+Names follow vLLM's (``vllm:`` becomes ``ringmoe:``) where one exists, so existing dashboards map
+over; the MoE and ring figures are ringmoe's own: tokens per expert and per ep rank, the ep rank
+imbalance, dropped tokens, and the exposed share of ring communication.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .engine import StepStats
+from .request import RequestOutput
+
+__all__ = ["ServerMetrics"]
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model = model_name
+        self.success = Counter("ringmoe:request_success", "Finished requests by finish reason",
+                               labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("ringmoe:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("ringmoe:inter_token_latency_seconds", "Time between two tokens of a request", labels,
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("ringmoe:e2e_request_latency_seconds", "Arrival to last token", labels,
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("ringmoe:request_queue_time_seconds", "Arrival to first scheduling", labels,
+                               buckets=_LATENCY, registry=r)
+        self.running = Gauge("ringmoe:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("ringmoe:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_usage = Gauge("ringmoe:kv_cache_usage_perc", "Fraction of KV blocks in use (worst ep group)",
+                              labels, registry=r)
+        self.prefix_queries = Counter("ringmoe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("ringmoe:prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                   labels, registry=r)
+        self.prompt_tokens = Counter("ringmoe:prompt_tokens", "Prompt tokens of admitted requests", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("ringmoe:generation_tokens", "Generated tokens", labels, registry=r)
+        self.preemptions = Counter("ringmoe:num_preemptions", "Requests preempted (recomputed later)", labels,
+                                   registry=r)
+        self.expert_tokens = Counter("ringmoe:expert_tokens", "Token assignments computed per expert (all layers)",
+                                     labels + ["expert"], registry=r)
+        self.ep_rank_tokens = Counter("ringmoe:ep_rank_tokens", "Token assignments computed per ep rank",
+                                      labels + ["ep_rank"], registry=r)
+        self.ep_imbalance = Gauge("ringmoe:ep_rank_imbalance", "Max / mean assignments over ep ranks, last step",
+                                  labels, registry=r)
+        self.dropped = Counter("ringmoe:dropped_tokens", "Tokens dropped by expert capacity", labels, registry=r)
+        self.ring_exposed = Gauge("ringmoe:ring_exposed_comm_ratio",
+                                  "Share of ring attention time blocked on K/V transfers, last ring step", labels,
+                                  registry=r)
+        self._hits_seen = self._queries_seen = 0
+
+    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        m = self.model
+        self.running.labels(m).set(stats.running)
+        self.waiting.labels(m).set(stats.waiting)
+        self.kv_usage.labels(m).set(stats.kv_usage)
+        if stats.preempted:
+            self.preemptions.labels(m).inc(stats.preempted)
+        for expert, count in enumerate(stats.tokens_per_expert):
+            if count:
+                self.expert_tokens.labels(m, str(expert)).inc(count)
+        for rank, count in enumerate(stats.tokens_per_ep_rank):
+            if count:
+                self.ep_rank_tokens.labels(m, str(rank)).inc(count)
+        if stats.tokens_per_ep_rank and sum(stats.tokens_per_ep_rank):
+            load = stats.tokens_per_ep_rank
+            self.ep_imbalance.labels(m).set(max(load) / (sum(load) / len(load)))
+        if stats.dropped_tokens:
+            self.dropped.labels(m).inc(stats.dropped_tokens)
+        if stats.ring_exposed_comm:
+            self.ring_exposed.labels(m).set(stats.ring_exposed_comm)
+        hits, queries = stats.prefix_hit_tokens, stats.prefix_query_tokens
+        if hits > self._hits_seen:
+            self.prefix_hits.labels(m).inc(hits - self._hits_seen)
+        if queries > self._queries_seen:
+            self.prefix_queries.labels(m).inc(queries - self._queries_seen)
+        self._hits_seen, self._queries_seen = hits, queries
+        self.generation_tokens.labels(m).inc(sum(len(o.new_token_ids) for o in outputs))
+
+    def on_finish(self, out: RequestOutput, inter_token: list[float]) -> None:
+        m = self.model
+        self.success.labels(m, out.finish_reason or "unknown").inc()
+        t = out.timings
+        if "ttft_s" in t:
+            self.ttft.labels(m).observe(t["ttft_s"])
+        if "e2e_s" in t:
+            self.e2e.labels(m).observe(t["e2e_s"])
+        if "queue_s" in t:
+            self.queue.labels(m).observe(t["queue_s"])
+        for gap in inter_token:
+            self.itl.labels(m).observe(gap)
+
+    def on_admit(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+
+    def refresh(self, engine) -> None:
+        """Set the gauges from the engine's state now (it may have changed since the last step: aborts)."""
+        m = self.model
+        self.running.labels(m).set(sum(len(g.running) for g in engine.groups))
+        self.waiting.labels(m).set(sum(len(g.waiting) for g in engine.groups))
+        self.kv_usage.labels(m).set(max(g.blocks.usage for g in engine.groups))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

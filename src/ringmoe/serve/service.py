@@ -1,0 +1,143 @@
+"""`ringmoe serve`: the server on one process or on a cp x ep mesh of local ranks (or torchrun's).
+
+Rank 0 runs the HTTP front end and the engine's driver; every other rank runs the step loop
+(``Engine.run_worker``).  On one process (cp = ep = 1) everything runs here.  SIGTERM drains: the
+server stops accepting, finishes in-flight requests, releases the workers and exits 0 (the local
+launcher forwards the signal to rank 0).  A rank that dies ends the job at once with the rank named
+(exit 1): the launcher watches every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["ServeOptions", "run_server", "serve_rank"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    cp: int = 1
+    ep: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_tokens: int = 65536
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    max_tokens_default: int = 256
+    deterministic: bool = False
+    dtype: str = "float32"
+    layout: str = "zigzag"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+
+def validate(options: ServeOptions) -> None:
+    """Every option and checkpoint error before any rank starts (ValueError naming the flag or file)."""
+    from ..model import check_checkpoint
+    from ..parallel.layout import LAYOUTS
+
+    for flag in ("cp", "ep", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
+                 "max_waiting", "max_tokens_default"):
+        value = getattr(options, flag)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive int, got {value!r}")
+    if not 0 <= options.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {options.port}")
+    if options.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {options.dtype!r}")
+    if options.layout not in LAYOUTS:
+        raise ValueError(f"--layout must be one of {LAYOUTS}, got {options.layout!r}")
+    config = check_checkpoint(options.model)
+    if config.num_experts % options.ep:
+        raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
+    if options.deterministic and config.capacity_factor is not None:
+        raise ValueError("--deterministic needs dropless experts")
+
+
+def _build_engine(options: ServeOptions, mesh):
+    from .engine import Engine
+
+    return Engine.from_checkpoint(
+        options.model, mesh, dtype=DTYPES[options.dtype], layout=options.layout,
+        kv_cache_tokens=options.kv_cache_tokens, block_size=options.block_size, max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
+        deterministic=options.deterministic,
+    )
+
+
+def _serve_driver(engine, options: ServeOptions) -> int:
+    from .async_engine import AsyncEngine
+    from .metrics import ServerMetrics
+    from .server import build_app, serve_app
+
+    metrics = ServerMetrics(options.name)
+    app = None
+
+    def failed(error):  # the engine thread died (a collective broke): stop serving, exit non-zero
+        print(f"ringmoe serve: the engine stopped: {error}", file=sys.stderr, flush=True)
+        app.state.exit_code = 1
+        app.state.server.should_exit = True
+
+    async_engine = AsyncEngine(engine, options.max_waiting, on_step=metrics.on_step, on_failure=failed).start()
+    app = build_app(async_engine, engine.tokenizer, options.name, metrics, options.max_tokens_default)
+
+    def started():
+        mesh = engine.mesh
+        print(f"ringmoe serve: {options.name} on http://{options.host}:{options.port} "
+              f"(cp={mesh.cp} x ep={mesh.ep}, {options.dtype})", flush=True)
+
+    try:
+        code = serve_app(app, options.host, options.port, on_started=started)
+    finally:
+        async_engine.stop()
+        async_engine.shutdown_mesh()
+    return code
+
+
+def serve_rank(rank: int, world: int, options: ServeOptions) -> int:
+    """One rank of a mesh server (the process group is up)."""
+    from ..parallel import make_mesh
+
+    engine = _build_engine(options, make_mesh(options.cp, options.ep))
+    if rank == 0:
+        return _serve_driver(engine, options)
+    engine.run_worker()
+    return 0
+
+
+def run_server(options: ServeOptions, launcher: str = "spawn") -> int:
+    """Validate, start the ranks (or serve here on one process); the exit code."""
+    validate(options)
+    world = options.cp * options.ep
+    if launcher == "torchrun":
+        import torch.distributed as dist
+
+        from ..parallel.launch import init_from_env
+
+        rank, size = init_from_env()
+        if size != world:
+            raise ValueError(f"torchrun started {size} processes; --cp x --ep is {world}")
+        try:
+            return serve_rank(rank, size, options)
+        finally:
+            dist.destroy_process_group()
+    if world == 1:
+        return _serve_driver(_build_engine(options, None), options)
+    from ..parallel.launch import spawn
+
+    codes = spawn(serve_rank, world, options, timeout=None, forward_sigterm_to=0,
+                  threads_per_rank=max(1, torch.get_num_threads() // world))
+    return max(codes)

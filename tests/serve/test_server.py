@@ -1,0 +1,260 @@
+"""`ringmoe serve` as its users meet it: a live process on 127.0.0.1, the official openai client, httpx for
+what the client cannot send, bounded load, disconnects, SIGTERM, and a rank that dies.
+
+Every server is started on a free port and stopped by its PID (its ranks are its children)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from ringmoe.parallel.launch import free_port  # noqa: E402
+from ringmoe.serve import Engine, SamplingParams  # noqa: E402
+from ringmoe.serve.bench import BenchConfig, run_benchmark  # noqa: E402
+
+MODEL = "tiny-moe"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+class Server:
+    def __init__(self, checkpoint, cp=1, ep=1, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
+             "--served-model-name", MODEL, "--cp", str(cp), "--ep", str(ep), "--kv-cache-tokens", "4096", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.communicate()[1]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            self.stop()
+            raise RuntimeError("the server did not become healthy in 90 s")
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def ranks(self) -> list[int]:
+        return _children(self.proc.pid)
+
+    def stop(self) -> tuple[int, str]:
+        everything = [self.proc.pid] + _children(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        for pid in everything:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def server(served_checkpoint):
+    s = Server(served_checkpoint)
+    yield s
+    code, err = s.stop()
+    assert code == 0, err
+
+
+def _offline_text(checkpoint, prompt: str, **params) -> str:
+    engine = Engine.from_checkpoint(checkpoint)
+    return engine.generate([prompt], SamplingParams(**params))[0].text
+
+
+def test_completion_stream_and_offline_engine_agree(server, served_checkpoint):
+    prompt = "def add(a, b):"
+    plain = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    streamed = "".join(chunk.choices[0].text for chunk in server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True) if chunk.choices)
+    offline = _offline_text(served_checkpoint, prompt, temperature=0, max_tokens=24)
+    assert plain.choices[0].text == streamed == offline
+    assert plain.usage.completion_tokens == 24 or plain.choices[0].finish_reason == "stop"
+    assert plain.usage.prompt_tokens > 0 and plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+
+
+def test_chat_streaming_with_usage_and_role(server):
+    messages = [{"role": "user", "content": "print('hello, world')"}]
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens >= 1
+    whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+
+
+def test_stop_seed_and_logprobs(server):
+    free = server.client.completions.create(model=MODEL, prompt="for i in", max_tokens=20, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[4:6]
+    cut = server.client.completions.create(model=MODEL, prompt="for i in", max_tokens=20, temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+    draws = [server.client.completions.create(model=MODEL, prompt="The quick", max_tokens=16, temperature=1.0,
+                                              seed=42).choices[0].text for _ in range(2)]
+    other = server.client.completions.create(model=MODEL, prompt="The quick", max_tokens=16, temperature=1.0,
+                                             seed=43).choices[0].text
+    assert draws[0] == draws[1] and draws[0] != other
+    scored = server.client.completions.create(model=MODEL, prompt="The quick", max_tokens=5, temperature=0,
+                                              logprobs=3).choices[0]
+    assert len(scored.logprobs.token_logprobs) == len(scored.logprobs.tokens) >= 1
+    assert all(lp <= 0 for lp in scored.logprobs.token_logprobs)
+    assert all(len(top) == 3 for top in scored.logprobs.top_logprobs)
+    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(server, body, status, param):
+    if isinstance(body, bytes):
+        reply = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_models_and_metrics(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("ringmoe:request_success_total", "ringmoe:time_to_first_token_seconds_bucket",
+                 "ringmoe:inter_token_latency_seconds", "ringmoe:e2e_request_latency_seconds",
+                 "ringmoe:request_queue_time_seconds", "ringmoe:num_requests_running", "ringmoe:num_requests_waiting",
+                 "ringmoe:kv_cache_usage_perc", "ringmoe:prefix_cache_queries_total", "ringmoe:prefix_cache_hits_total",
+                 "ringmoe:prompt_tokens_total", "ringmoe:generation_tokens_total", "ringmoe:expert_tokens_total"):
+        assert name in text, name
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    found = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return sum(float(x) for x in found)
+
+
+def test_bounded_load_without_errors(server):
+    result = run_benchmark(BenchConfig(server.url, MODEL, num_prompts=200, concurrency=32, input_len=(4, 40),
+                                       output_len=(1, 12), timeout=60))
+    assert result["errors"] == 0, result["error_examples"]
+    assert result["completed"] == 200 and result["duration_s"] < 60
+
+
+def test_disconnect_storm_frees_every_kv_block(server):
+    def drop_mid_stream():
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "hello " * 30, "max_tokens": 400, "stream": True,
+                                "ignore_eos": True}) as reply:
+            for _ in reply.iter_lines():
+                break  # one chunk, then hang up
+
+    threads = [threading.Thread(target=drop_mid_stream) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if _metric(server.url, "ringmoe:kv_cache_usage_perc") == 0 and \
+                _metric(server.url, "ringmoe:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert _metric(server.url, "ringmoe:kv_cache_usage_perc") == 0
+    assert _metric(server.url, "ringmoe:request_success_total") >= 1
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(served_checkpoint):
+    s = Server(served_checkpoint)
+    results = []
+
+    def ask():
+        with contextlib.suppress(Exception):
+            results.append(s.client.completions.create(model=MODEL, prompt="hello world", max_tokens=48,
+                                                       temperature=0, extra_body={"ignore_eos": True}))
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    code, err = s.stop()  # SIGTERM while the requests run
+    for t in threads:
+        t.join(timeout=30)
+    assert code == 0, err
+    assert len(results) == 6 and all(r.usage.completion_tokens == 48 for r in results)
+
+
+def test_a_mesh_server_answers_like_one_process_and_dies_loudly_with_a_rank(served_checkpoint):
+    s = Server(served_checkpoint, 2, 2)
+    try:
+        prompt = "def add(a, b):"
+        got = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+        assert got == _offline_text(served_checkpoint, prompt, temperature=0, max_tokens=16)
+        streamed = "".join(c.choices[0].text for c in s.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True) if c.choices)
+        assert streamed == got
+        ranks = s.ranks()
+        assert len(ranks) == 4
+        killed = time.monotonic()
+        os.kill(ranks[2], signal.SIGKILL)
+        s.proc.wait(timeout=20)
+        assert time.monotonic() - killed < 10
+        err = s.proc.stderr.read()
+        assert s.proc.returncode not in (0, None)
+        assert "rank 2 was killed by SIGKILL" in err, err
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in ranks)
+    finally:
+        s.stop()
