@@ -8,7 +8,7 @@ from ringmoe.cli import main
 
 
 def test_demo_runs_four_ranks_and_passes(capsys):
-    assert main(["demo", "--preset", "tiny", "--seqlen", "256", "--new-tokens", "3"]) == 0
+    assert main(["check", "--preset", "tiny", "--seqlen", "256", "--new-tokens", "3"]) == 0
     printed = capsys.readouterr().out
     assert "4 ranks (cp=2 x ep=2, zigzag)" in printed
     assert "tokens equal" in printed and "PASS" in printed
@@ -22,7 +22,7 @@ def test_demo_loads_a_checkpoint_with_capacity_and_reports_drops(tmp_path, capsy
                                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=24, initializer_range=0.3)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)
-    assert main(["demo", "--checkpoint", str(tmp_path), "--cp", "1", "--ep", "2", "--seqlen", "60",
+    assert main(["check", "--checkpoint", str(tmp_path), "--cp", "1", "--ep", "2", "--seqlen", "60",
                  "--new-tokens", "2", "--capacity-factor", "0.5"]) == 0
     printed = capsys.readouterr().out
     dropped = int(printed.split("dropped tokens: ")[1].split()[0])
@@ -30,7 +30,7 @@ def test_demo_loads_a_checkpoint_with_capacity_and_reports_drops(tmp_path, capsy
 
 
 def test_demo_rejects_bad_options_before_starting_ranks(capsys):
-    assert main(["demo", "--seqlen", "255"]) == 2
+    assert main(["check", "--seqlen", "255"]) == 2
     assert "seqlen 255 must be divisible" in capsys.readouterr().err
 
 
@@ -41,7 +41,7 @@ def test_attention_showcase_passes(capsys):
 
 def test_help_documents_every_demo_option(capsys):
     with pytest.raises(SystemExit):
-        main(["demo", "--help"])
+        main(["check", "--help"])
     text = capsys.readouterr().out
     for option in ("--checkpoint", "--cp", "--ep", "--seqlen", "--layout", "--launcher", "--preset"):
         assert option in text
@@ -65,3 +65,16 @@ def test_simulate_with_a_calibrated_profile_of_this_machine(tmp_path, capsys):
                  "--hw", str(profile)]) == 0
     assert "this-machine" in capsys.readouterr().out
     assert main(["simulate", "--hw", "tpu-v9"]) == 2
+
+
+def test_serving_demo_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """`make demo`: checkpoint built into the cache, 4-rank server, openai client, exactness, clean stop."""
+    pytest.importorskip("openai")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["demo"]) == 0
+    printed = capsys.readouterr().out
+    assert "cp=2 x ep=2, 4 ranks" in printed
+    assert "16/16 answered, 0 errors" in printed
+    assert "equal one process for 4 of 4 prompts: PASS" in printed
+    assert "exit code 0, processes left: 0" in printed
+    assert (tmp_path / "ringmoe" / "demo-small-seed0" / ".complete").is_file()

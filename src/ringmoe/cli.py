@@ -57,8 +57,19 @@ def _writable_file(flag: str, path: str) -> None:
 
 def _add_demo(sub) -> None:
     demo = sub.add_parser(
-        "demo",
-        help="the main job: prefill + decode a MoE transformer on a cp x ep mesh of local ranks, checked exactly",
+        "demo", help="the main job: serve a MoE model on a cp=2 x ep=2 mesh and talk to it with the openai client",
+        description="Builds (once) a demo checkpoint, starts `ringmoe serve` on 4 local ranks, sends a streaming "
+                    "chat, a long prompt (ring attention prefill) and concurrent completions, prints a per-rank "
+                    "table, latencies and an exactness check against one process, then stops the server.")
+    demo.add_argument("--cp", type=_positive, default=2, help="context-parallel degree (default 2)")
+    demo.add_argument("--ep", type=_positive, default=2, help="expert-parallel degree (default 2)")
+    demo.add_argument("--rebuild", action="store_true", help="rebuild the cached demo checkpoint")
+
+
+def _add_check(sub) -> None:
+    demo = sub.add_parser(
+        "check",
+        help="prefill + decode a MoE transformer on a cp x ep mesh of local ranks, checked exactly against one process",
         description="Spawns cp x ep CPU ranks (gloo), prefills a long prompt with ring attention (context parallel) "
                     "and expert parallelism, decodes greedily with a sharded KV cache, and checks tokens and logits "
                     "against one process running the same weights.  Exit code 0 = exact.",
@@ -188,6 +199,8 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-waiting", type=_positive, default=1024, help="waiting requests before 429")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     serve.add_argument("--deterministic", action="store_true", help="bitwise-reproducible tokens whatever the batch")
+    serve.add_argument("--threads", type=_positive, default=None, help="intra-op threads per rank (default: the "
+                       "cores less one, left to the HTTP loop, shared among the ranks)")
     serve.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
                        help="spawn: local ranks (default); torchrun: this process is one rank")
 
@@ -207,6 +220,7 @@ def _add_bench(sub) -> None:
     serve.add_argument("--output-len", default="64", help="max_tokens: N or LO:HI")
     serve.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds per request")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (some servers reject it)")
     serve.add_argument("--out", metavar="FILE", help="write the results as JSON")
     serve.add_argument("--png", metavar="FILE", help="draw latency and throughput against the request rate")
     for parser in (bench_parser, serve):
@@ -244,7 +258,7 @@ def _bench_serve(args) -> int:
     for rate in rates:
         config = BenchConfig(args.url.rstrip("/"), args.model, args.num_prompts, rate, args.concurrency,
                              _span("--input-len", args.input_len), _span("--output-len", args.output_len),
-                             args.seed, args.timeout)
+                             args.seed, args.timeout, args.ignore_eos)
         result = run_benchmark(config)
         runs.append(result)
         console.print(f"rate {result['rate']}: {result['completed']}/{args.num_prompts} ok, {result['errors']} errors, "
@@ -269,7 +283,7 @@ def _serve(args) -> int:
                            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                           deterministic=args.deterministic, dtype=args.dtype)
+                           deterministic=args.deterministic, dtype=args.dtype, threads=args.threads)
     return run_server(options, args.launcher)
 
 
@@ -282,6 +296,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors (default: one line)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
+    _add_check(sub)
     attention = sub.add_parser("attention", help="FlashAttention backends vs the float64 oracle and torch SDPA")
     attention.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     attention.add_argument("--seqlen", type=_positive, default=4096, help="tokens (default 4096)")
@@ -289,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_serve(sub)
     _add_bench(sub)
-    for name in ("demo", "simulate", "serve"):  # --debug after the command too
+    for name in ("demo", "check", "simulate", "serve"):  # --debug after the command too
         sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                        help="show tracebacks of errors")
     return parser
@@ -306,6 +321,10 @@ def _run(args) -> int:
         from .demo import attention_showcase
 
         return 0 if attention_showcase(args.seqlen, args.seed) else 1
+    if args.command == "demo":
+        from .serve_demo import ServeDemoOptions, run_serve_demo
+
+        return 0 if run_serve_demo(ServeDemoOptions(cp=args.cp, ep=args.ep, rebuild=args.rebuild)) else 1
     from .demo import DemoOptions, run_demo, run_demo_torchrun
 
     options = DemoOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,

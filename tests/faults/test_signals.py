@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = [sys.executable, "-m", "ringmoe.cli", "demo", "--preset", "small", "--seqlen", "32768", "--new-tokens", "64",
+DEMO = [sys.executable, "-m", "ringmoe.cli", "check", "--preset", "small", "--seqlen", "32768", "--new-tokens", "64",
         "--no-check"]
 
 
@@ -68,7 +68,7 @@ def test_a_signal_to_the_demo_stops_every_rank_within_seconds(signum, code):
             demo.kill()
     assert demo.returncode == code, err
     last = err.strip().splitlines()[-1]
-    assert last == f"ringmoe demo: interrupted by {signal.Signals(signum).name}; every rank was stopped", err
+    assert last == f"ringmoe check: interrupted by {signal.Signals(signum).name}; every rank was stopped", err
     assert "Traceback" not in err
     assert _wait_gone(ranks, 5) == [], "ranks left running"
     assert elapsed < 10, f"took {elapsed:.1f} s"

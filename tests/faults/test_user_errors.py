@@ -55,20 +55,20 @@ def _copy(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 def test_capacity_factor_must_be_positive_and_finite(capsys, value):
-    assert "--capacity-factor" in _argparse_error(capsys, ["demo", f"--capacity-factor={value}"])
+    assert "--capacity-factor" in _argparse_error(capsys, ["check", f"--capacity-factor={value}"])
 
 
 def test_pickled_only_checkpoint_is_refused(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    err = _error_line(capsys, ["demo", "--checkpoint", str(tmp_path)])
+    err = _error_line(capsys, ["check", "--checkpoint", str(tmp_path)])
     assert "pickled weights" in err or "lacks the field" in err
 
 
 def test_pickled_only_checkpoint_with_a_full_config(capsys, checkpoint, tmp_path):
     ckpt = _copy(checkpoint, tmp_path)
     (ckpt / "model.safetensors").rename(ckpt / "pytorch_model.bin")
-    assert "only pickled weights (.bin/.pt)" in _error_line(capsys, ["demo", "--checkpoint", str(ckpt)])
+    assert "only pickled weights (.bin/.pt)" in _error_line(capsys, ["check", "--checkpoint", str(ckpt)])
 
 
 @pytest.mark.parametrize("damage", ["random", "truncated-header"])
@@ -78,7 +78,7 @@ def test_corrupt_safetensors_are_named(capsys, checkpoint, tmp_path, damage):
     data = weights.read_bytes()
     weights.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes() if damage == "random"
                         else data[:100])
-    err = _error_line(capsys, ["demo", "--checkpoint", str(ckpt)])
+    err = _error_line(capsys, ["check", "--checkpoint", str(ckpt)])
     assert str(weights) in err and "not a valid safetensors file" in err
 
 
@@ -87,7 +87,7 @@ def test_a_shape_mismatch_names_the_tensor(capsys, checkpoint, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config["intermediate_size"] = 48  # the experts on disk are 40 wide
     (ckpt / "config.json").write_text(json.dumps(config))
-    err = _error_line(capsys, ["demo", "--checkpoint", str(ckpt)])
+    err = _error_line(capsys, ["check", "--checkpoint", str(ckpt)])
     assert "checkpoint tensor 'model.layers." in err and "(40, 32)" in err and "(48, 32)" in err
 
 
@@ -100,14 +100,14 @@ def test_an_index_pointing_at_a_missing_shard_names_it(capsys, checkpoint, tmp_p
     weight_map = {name: ("model-00001-of-00002.safetensors" if i % 2 else "model.safetensors")
                   for i, name in enumerate(names)}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    err = _error_line(capsys, ["demo", "--checkpoint", str(ckpt)])
+    err = _error_line(capsys, ["check", "--checkpoint", str(ckpt)])
     assert "'model-00001-of-00002.safetensors', which is missing" in err
 
 
 def test_bad_json_names_the_file(capsys, checkpoint, tmp_path):
     ckpt = _copy(checkpoint, tmp_path)
     (ckpt / "config.json").write_text("{not json")
-    err = _error_line(capsys, ["demo", "--checkpoint", str(ckpt)])
+    err = _error_line(capsys, ["check", "--checkpoint", str(ckpt)])
     assert str(ckpt / "config.json") in err and "not valid JSON" in err
 
 
@@ -115,22 +115,22 @@ def test_debug_shows_the_traceback(checkpoint, tmp_path):
     ckpt = _copy(checkpoint, tmp_path)
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        main(["demo", "--checkpoint", str(ckpt), "--debug"])
+        main(["check", "--checkpoint", str(ckpt), "--debug"])
 
 
 def test_torchrun_launcher_outside_torchrun(capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    err = _error_line(capsys, ["demo", "--preset", "tiny", "--seqlen", "64", "--launcher", "torchrun"])
+    err = _error_line(capsys, ["check", "--preset", "tiny", "--seqlen", "64", "--launcher", "torchrun"])
     assert "--launcher torchrun needs torchrun's environment" in err
 
 
 @pytest.mark.parametrize("argv", [
-    ["demo", "--preset", "mixtral-8x7b"],
-    ["demo", "--preset", "qwen3-30b-a3b"],
-    ["demo", "--seqlen", "100000000"],
-    ["demo", "--batch", "1000000"],
-    ["demo", "--new-tokens", "100000000"],
+    ["check", "--preset", "mixtral-8x7b"],
+    ["check", "--preset", "qwen3-30b-a3b"],
+    ["check", "--seqlen", "100000000"],
+    ["check", "--batch", "1000000"],
+    ["check", "--new-tokens", "100000000"],
     ["attention", "--seqlen", "1000000"],
 ])
 def test_jobs_that_cannot_fit_are_refused_with_the_estimate(capsys, argv):

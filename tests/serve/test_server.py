@@ -83,11 +83,11 @@ class Server:
         return self.proc.returncode, err
 
 
-@pytest.fixture(scope="module")
-def server(served_checkpoint):
-    s = Server(served_checkpoint)
+@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1x1", "2x2"])
+def server(served_checkpoint, request):
+    s = Server(served_checkpoint, *request.param)
     yield s
-    code, err = s.stop()
+    code, err = s.stop()  # SIGTERM: drained, workers released, exit 0 (on the mesh too)
     assert code == 0, err
 
 
@@ -234,15 +234,25 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(served_checkpoint):
     assert len(results) == 6 and all(r.usage.completion_tokens == 48 for r in results)
 
 
-def test_a_mesh_server_answers_like_one_process_and_dies_loudly_with_a_rank(served_checkpoint):
+def test_a_full_queue_answers_429_and_every_request_ends(served_checkpoint):
+    s = Server(served_checkpoint, 1, 1, "--max-waiting", "2", "--max-num-seqs", "1")
+    try:
+        result = run_benchmark(BenchConfig(s.url, MODEL, num_prompts=24, concurrency=24, input_len=(4, 8),
+                                           output_len=(16, 16), timeout=60))
+        assert result["completed"] + result["errors"] == 24 and result["completed"] >= 1
+        assert result["errors"] >= 1 and all("HTTP 429" in e for e in result["error_examples"])
+        assert httpx.get(f"{s.url}/health").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_a_rank_killed_during_load_ends_the_mesh_server_with_the_rank_named(served_checkpoint):
     s = Server(served_checkpoint, 2, 2)
     try:
-        prompt = "def add(a, b):"
-        got = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
-        assert got == _offline_text(served_checkpoint, prompt, temperature=0, max_tokens=16)
-        streamed = "".join(c.choices[0].text for c in s.client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True) if c.choices)
-        assert streamed == got
+        load = threading.Thread(target=run_benchmark, args=(BenchConfig(
+            s.url, MODEL, num_prompts=64, concurrency=16, input_len=(8, 64), output_len=(32, 32), timeout=30),))
+        load.start()
+        time.sleep(1.0)
         ranks = s.ranks()
         assert len(ranks) == 4
         killed = time.monotonic()
@@ -256,5 +266,6 @@ def test_a_mesh_server_answers_like_one_process_and_dies_loudly_with_a_rank(serv
         while time.monotonic() < deadline and any(_alive(p) for p in ranks):
             time.sleep(0.1)
         assert not any(_alive(p) for p in ranks)
+        load.join(timeout=60)
     finally:
         s.stop()

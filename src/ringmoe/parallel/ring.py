@@ -135,21 +135,47 @@ def _task_spec(spec: AttentionSpec, task: BlockTask) -> AttentionSpec:
     return AttentionSpec(spec.softmax_scale, causal=True, softcap=spec.softcap, offset=task.offset)
 
 
+class RingPlan:
+    """What the ring loop needs to know about the layout: every rank's local length, and the kernel
+    calls that attend this rank's queries to the block that came from rank ``src``.
+
+    ``segments_of(rank)`` gives a rank's tokens as groups of Segments: one group per sequence (one for a
+    dense batch; one per document when documents are packed), and a query meets only keys of its group.
+    """
+
+    def __init__(self, lengths: list[int], segments_of, causal: bool):
+        self.lengths, self.segments_of, self.causal = lengths, segments_of, causal
+
+    def tasks(self, rank: int, src: int) -> list[BlockTask]:
+        tasks = []
+        for q_group, k_group in zip(self.segments_of(rank), self.segments_of(src)):
+            tasks += plan_block(q_group, k_group, self.causal)
+        return tasks
+
+
+def dense_plan(local_len: int, world: int, layout: str, causal: bool) -> RingPlan:
+    """Every rank holds ``local_len`` tokens of each sequence of the batch under ``layout``."""
+    return RingPlan([local_len] * world, lambda rank: [segments(local_len, world, rank, layout)], causal)
+
+
 class _Ring:
-    """Everything one call needs: the communicator, layout, kernel choice and stats."""
+    """Everything one call needs: the communicator, the plan, kernel choice and stats."""
 
-    def __init__(self, group, layout, spec, backend, stats):
+    def __init__(self, group, plan: RingPlan, spec, backend, stats):
         self.comm = RingComm(group)
-        self.layout, self.spec, self.backend, self.stats = layout, spec, backend, stats
+        self.plan, self.spec, self.backend, self.stats = plan, spec, backend, stats
 
-    def tasks(self, local_len: int, step: int) -> list[BlockTask]:
-        world, rank = self.comm.world_size, self.comm.rank
-        src = (rank - step) % world
-        return plan_block(
-            segments(local_len, world, rank, self.layout),
-            segments(local_len, world, src, self.layout),
-            self.spec.causal,
-        )
+    def source(self, step: int) -> int:
+        """The rank whose K/V block this rank holds at ``step``."""
+        return (self.comm.rank - step) % self.comm.world_size
+
+    def tasks(self, step: int) -> list[BlockTask]:
+        return self.plan.tasks(self.comm.rank, self.source(step))
+
+    def block_like(self, kv: torch.Tensor, step: int, dtype=None) -> torch.Tensor:
+        """An empty (2, batch, len, heads, dim) buffer for the block this rank holds at ``step``."""
+        length = self.plan.lengths[self.source(step)]
+        return kv.new_empty((2, kv.shape[1], length, *kv.shape[3:]), dtype=dtype or kv.dtype)
 
     def kernel(self, q, k, spec):
         return resolve_kernel(self.backend, q, k, spec)
@@ -164,7 +190,7 @@ class _Ring:
         """Start passing ``kv`` on and receiving the next block, unless this is the last step."""
         if step == self.comm.world_size - 1:
             return None, []
-        incoming = torch.empty_like(kv)
+        incoming = self.block_like(kv, step + 1)
         return incoming, self.comm.send_recv(kv, incoming, _KV_TAG)
 
     # -- forward ---------------------------------------------------------------
@@ -184,7 +210,7 @@ class _Ring:
         """Merge this step's K/V block into (out, lse) in place while the next block travels; the next kv."""
         start = time.perf_counter()
         incoming, pending = self.prefetch(kv, step)
-        for task in self.tasks(q.shape[1], step):
+        for task in self.tasks(step):
             spec = _task_spec(self.spec, task)
             rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
             qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
@@ -201,7 +227,6 @@ class _Ring:
 
     # -- backward --------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, dlse=None):
-        local_len = q.shape[1]
         acc_dtype = out.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -212,7 +237,7 @@ class _Ring:
             start = time.perf_counter()
             kv_next, kv_pending = self.prefetch(kv, step)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            for task in self.tasks(local_len, step):
+            for task in self.tasks(step):
                 spec = _task_spec(self.spec, task)
                 rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
                 qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
@@ -229,7 +254,8 @@ class _Ring:
                 work.wait()
             if dkv_incoming is not None:
                 dkv += dkv_incoming
-            dkv_incoming = torch.empty_like(dkv) if world > 1 else None
+            # next comes the block this rank holds at step + 1 (after the last step: its own, home)
+            dkv_incoming = self.block_like(kv, step + 1, acc_dtype) if world > 1 else None
             dkv_pending = self.comm.send_recv(dkv, dkv_incoming, _DKV_TAG) if world > 1 else []
             send_buffers.append(dkv)
             for work in kv_pending:
@@ -321,7 +347,7 @@ def ring_flash_attn_func(
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
     check_same_shapes(group, q, k)
-    ring = _Ring(group, layout, spec, backend, stats)
+    ring = _Ring(group, dense_plan(q.shape[1], dist.get_world_size(group), layout, causal), spec, backend, stats)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         out, lse = _RingAttention.apply(q, k, v, ring)
     else:

@@ -37,7 +37,7 @@ class BenchConfig:
     output_len: tuple[int, int] = (64, 64)  # max_tokens, uniform in [lo, hi]
     seed: int = 0
     timeout: float = 300.0
-    ignore_eos: bool = True
+    ignore_eos: bool = False  # a vLLM extra some servers reject (transformers serve does)
 
 
 @dataclass
@@ -156,25 +156,36 @@ def run_benchmark(config: BenchConfig) -> dict:
 
 
 def plot(runs: list[dict], path) -> None:
-    """Latency (p50 / p99 TTFT and TPOT) against request rate, one line per server."""
+    """Left: p50 / p99 time to first token against the completed request rate (one line per server, sorted).
+    Right: output tokens per second at each load (rate or concurrency), servers side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    servers = sorted({r.get("server", r["url"]) for r in runs})
-    for server in servers:
-        mine = [r for r in runs if r.get("server", r["url"]) == server]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    servers = list(dict.fromkeys(r.get("server", r["url"]) for r in runs))
+    loads = list(dict.fromkeys(_load(r) for r in runs))
+    width = 0.8 / len(servers)
+    for i, server in enumerate(servers):
+        mine = sorted((r for r in runs if r.get("server", r["url"]) == server), key=lambda r: r["requests_per_s"])
         rates = [r["requests_per_s"] for r in mine]
-        left.plot(rates, [r["ttft_s"]["p50"] for r in mine], "o-", label=f"{server} p50")
-        left.plot(rates, [r["ttft_s"]["p99"] for r in mine], "x--", label=f"{server} p99")
-        right.plot(rates, [r["output_tokens_per_s"] for r in mine], "o-", label=server)
+        line = left.plot(rates, [r["ttft_s"]["p50"] for r in mine], "o-", label=f"{server} p50")[0]
+        left.plot(rates, [r["ttft_s"]["p99"] for r in mine], "x--", color=line.get_color(), label=f"{server} p99")
+        by_load = {_load(r): r["output_tokens_per_s"] for r in mine}
+        right.bar([j + i * width for j in range(len(loads))], [by_load.get(load, 0) for load in loads], width,
+                  label=server, color=line.get_color())
     left.set_xlabel("completed requests / s")
     left.set_ylabel("time to first token, s")
+    left.set_yscale("log")
     left.legend(fontsize=7)
-    right.set_xlabel("completed requests / s")
+    right.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))], loads)
+    right.set_xlabel("load (c = concurrent requests sent at once, r = Poisson rate per s)")
     right.set_ylabel("output tokens / s")
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _load(run: dict) -> str:
+    return f"c={run['concurrency']}" if run["rate"] == "inf" else f"r={run['rate']:g}"

@@ -126,6 +126,9 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(seed)
         self._group_of: dict[str, int] = {}
         self.last_stats = StepStats()
+        # per rank, since the start: requests of its ep group, peak KV blocks, expert rows, ring seconds
+        self.rank_report = [{"rank": r, "cp_rank": r // ep, "ep_rank": r % ep, "requests": 0, "kv_blocks_peak": 0,
+                             "expert_rows": 0, "ring_compute_s": 0.0, "ring_wait_s": 0.0} for r in range(cp * ep)]
 
     @classmethod
     def from_checkpoint(cls, path, mesh=None, dtype: torch.dtype | None = None, layout: str = "zigzag",
@@ -172,6 +175,8 @@ class Engine:
         self.groups[group].add(request)
         self.requests[request_id] = request
         self._group_of[request_id] = group
+        for row in self.rank_report:
+            row["requests"] += row["ep_rank"] == group
         return request_id
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -248,8 +253,11 @@ class Engine:
         start = time.perf_counter()
         with self._invariance():
             reports = self.runner.step(plan[self.mesh.ep_rank])
+        if self.mesh.size > 1:  # they travel pickled to the driver: host memory, not this rank's GPU
+            reports = {key: value.cpu() for key, value in reports.items()}
         moe = [layer.mlp.last_stats for layer in self.model.layers if layer.mlp.last_stats is not None]
         ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
+        rows = moe[0].tokens_per_rank if moe else None
         if self.record_steps:
             self.runner.history.append({"seconds": time.perf_counter() - start, "ring": self.runner.ring_stats,
                                         "moe": moe})
@@ -259,7 +267,11 @@ class Engine:
             "tokens_per_rank": sum(s.tokens_per_rank for s in moe).tolist()
             if moe and moe[0].tokens_per_rank is not None else [],
             "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
+            "ring_compute_s": ring["compute_s"] if ring else 0.0,
+            "ring_wait_s": ring["wait_s"] if ring else 0.0,
             "dropped_tokens": sum(s.dropped_tokens for s in moe),
+            "expert_rows": sum(int(s.tokens_per_rank[self.mesh.ep_rank]) for s in moe) if rows is not None
+            else sum(int(s.tokens_per_expert.sum()) for s in moe),
         }
         return reports, stats
 
@@ -338,6 +350,13 @@ class Engine:
 
     def _stats(self, batches, rank_stats: list[dict], seconds: float) -> StepStats:
         groups = self.groups
+        for row, mine in zip(self.rank_report, rank_stats if len(rank_stats) == len(self.rank_report) else []):
+            blocks = groups[row["ep_rank"]].blocks
+            blocks = blocks.ranks[row["cp_rank"]] if isinstance(blocks, ShardedBlocks) else blocks
+            row["kv_blocks_peak"] = max(row["kv_blocks_peak"], blocks.num_blocks - blocks.num_free)
+            row["expert_rows"] += mine["expert_rows"]
+            row["ring_compute_s"] += mine["ring_compute_s"]
+            row["ring_wait_s"] += mine["ring_wait_s"]
         ep_rank0 = [s for s in rank_stats if s["ep_rank"] == 0 and s["tokens_per_expert"]]
         per_expert = [sum(col) for col in zip(*(s["tokens_per_expert"] for s in ep_rank0))] if ep_rank0 else []
         per_rank = [sum(col) for col in zip(*(s["tokens_per_rank"] for s in ep_rank0 if s["tokens_per_rank"]))]

@@ -62,6 +62,12 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMe
         metrics.refresh(engine.engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/stats")
+    async def stats():
+        """Per rank since the start: requests of its ep group, peak KV blocks, expert rows, ring seconds."""
+        return {"ranks": [dict(row) for row in engine.engine.rank_report],
+                "block_size": engine.engine.runner.block_size}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "ringmoe",

@@ -9,6 +9,7 @@ launcher forwards the signal to rank 0).  A rank that dies ends the job at once 
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,14 @@ class ServeOptions:
     deterministic: bool = False
     dtype: str = "float32"
     layout: str = "zigzag"
+    threads: int | None = None  # intra-op threads per rank; default: the cores less one for HTTP, shared out
+
+    def threads_per_rank(self) -> int:
+        """Rank 0 also runs the HTTP loop: leave it a core (busy OpenMP workers starve the event loop)."""
+        if self.threads is not None:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, (cores - 1) // (self.cp * self.ep))
 
     @property
     def name(self) -> str:
@@ -49,6 +58,8 @@ def validate(options: ServeOptions) -> None:
     from ..model import check_checkpoint
     from ..parallel.layout import LAYOUTS
 
+    if options.threads is not None and (not isinstance(options.threads, int) or options.threads < 1):
+        raise ValueError(f"--threads must be a positive int, got {options.threads!r}")
     for flag in ("cp", "ep", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
                  "max_waiting", "max_tokens_default"):
         value = getattr(options, flag)
@@ -135,9 +146,10 @@ def run_server(options: ServeOptions, launcher: str = "spawn") -> int:
         finally:
             dist.destroy_process_group()
     if world == 1:
+        torch.set_num_threads(options.threads_per_rank())
         return _serve_driver(_build_engine(options, None), options)
     from ..parallel.launch import spawn
 
     codes = spawn(serve_rank, world, options, timeout=None, forward_sigterm_to=0,
-                  threads_per_rank=max(1, torch.get_num_threads() // world))
+                  threads_per_rank=options.threads_per_rank())
     return max(codes)

@@ -1,0 +1,136 @@
+"""`ringmoe serve` vs `transformers serve --continuous-batching`: same checkpoint, same load, one run.
+
+Checkpoint: the demo's (small preset, Mixtral architecture, 4 layers, hidden 256, 8 experts top-2,
+float32, a BPE tokenizer trained on the standard library).  Servers on 127.0.0.1, each started,
+warmed up, loaded and stopped in turn: ringmoe 1 x 1 (one process), ringmoe cp=1 x ep=2
+(2 ranks x 1 thread: the mesh that fits 2 cores), transformers serve (CPU, continuous batching) with 2 and
+with 1 intra-op thread (each load compares against the peer's better one).  ringmoe serve's default
+leaves a core to its HTTP loop (1 engine thread on 2 cores).
+Load (``ringmoe bench serve``'s client): streaming /v1/completions, prompts of 32..256 words,
+``--new`` tokens at most (no ignore_eos: transformers serve rejects it; the random model rarely ends
+early, and the output tokens counted are the ones streamed), at concurrency 8 / 32 / 64 with all
+requests at once, then Poisson rates at concurrency 64.  Writes benchmarks/results/serve.json and
+serve.png; the rate a server sustains within the TTFT SLO is the highest completed request rate
+among its runs whose p99 TTFT is under it.
+
+    python benchmarks/bench_serve.py [--prompts 64] [--new 32] [--rates 2,4,8,16] [--slo 2.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+from ringmoe.demo_model import build_demo_checkpoint  # noqa: E402
+from ringmoe.parallel.launch import free_port  # noqa: E402
+from ringmoe.serve.bench import BenchConfig, plot, run_benchmark  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def start(kind: str, checkpoint: Path) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if kind.startswith("transformers"):
+        env["OMP_NUM_THREADS"] = "1" if kind.endswith("-1thread") else "2"
+        cmd = [str(BIN / "transformers"), "serve", str(checkpoint), "--continuous-batching", "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port)]
+        model = str(checkpoint)
+    else:
+        ep = "2" if kind == "ringmoe-ep2" else "1"
+        cmd = [str(BIN / "ringmoe"), "serve", "--model", str(checkpoint), "--port", str(port), "--ep", ep,
+               "--served-model-name", "demo", "--kv-cache-tokens", "65536"]
+        model = "demo"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} exited: {proc.stderr.read().decode()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url, model
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"{kind} did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--concurrency", default="8,32,64")
+    parser.add_argument("--rates", default="2,4,8,16")
+    parser.add_argument("--slo", type=float, default=2.0, help="p99 TTFT target, seconds")
+    parser.add_argument("--servers", default="ringmoe,ringmoe-ep2,transformers,transformers-1thread")
+    args = parser.parse_args()
+    checkpoint = build_demo_checkpoint(Path(tempfile.gettempdir()) / "ringmoe-bench-serve")
+    runs = []
+    for kind in args.servers.split(","):
+        proc, url, model = start(kind, checkpoint)
+        try:
+            warm = BenchConfig(url, model, num_prompts=4, concurrency=4, input_len=(32, 32), output_len=(4, 4))
+            run_benchmark(warm)
+            plans = [(math.inf, int(c)) for c in args.concurrency.split(",")]
+            plans += [(float(r), max(int(c) for c in args.concurrency.split(","))) for r in args.rates.split(",")]
+            for rate, concurrency in plans:
+                config = BenchConfig(url, model, num_prompts=args.prompts, rate=rate, concurrency=concurrency,
+                                     input_len=(32, 256), output_len=(args.new, args.new), timeout=600)
+                result = run_benchmark(config) | {"server": kind}
+                runs.append(result)
+                print(f"{kind} rate={result['rate']} c={concurrency}: {result['output_tokens_per_s']:.1f} tok/s, "
+                      f"TTFT p50 {result['ttft_s']['p50']:.2f} p99 {result['ttft_s']['p99']:.2f} s, "
+                      f"TPOT p50 {result['tpot_s']['p50'] * 1e3:.0f} ms, errors {result['errors']}", flush=True)
+        finally:
+            stop(proc)
+    summary = {}
+    for kind in args.servers.split(","):
+        mine = [r for r in runs if r["server"] == kind]
+        within = [r["requests_per_s"] for r in mine if r["errors"] == 0 and r["ttft_s"]["p99"] <= args.slo]
+        summary[kind] = {"best_output_tokens_per_s": max(r["output_tokens_per_s"] for r in mine),
+                         f"sustained_requests_per_s_within_p99_ttft_{args.slo}s": max(within, default=0.0),
+                         "errors": sum(r["errors"] for r in mine)}
+    peers = [k for k in summary if k.startswith("transformers")]
+    if peers:  # against the peer's better configuration at each load
+        for kind in summary:
+            if not kind.startswith("transformers"):
+                pairs = []
+                for a in (r for r in runs if r["server"] == kind):
+                    same = [b for b in runs if b["server"] in peers and b["rate"] == a["rate"]
+                            and b["concurrency"] == a["concurrency"]]
+                    pairs.append((a, max(same, key=lambda b: b["output_tokens_per_s"])))
+                summary[kind]["throughput_ratio_vs_transformers"] = [
+                    {"rate": a["rate"], "concurrency": a["concurrency"], "peer": b["server"],
+                     "ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"],
+                     "p99_ttft_s": [a["ttft_s"]["p99"], b["ttft_s"]["p99"]]} for a, b in pairs]
+    print(summary)
+    write_results("serve", {"checkpoint": "demo (small preset, random weights, float32)", "prompts": args.prompts,
+                            "new_tokens": args.new, "slo_p99_ttft_s": args.slo, "runs": runs, "summary": summary},
+                  lambda data, path: plot(data, path), runs)
+
+
+if __name__ == "__main__":
+    main()

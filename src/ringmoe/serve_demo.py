@@ -1,0 +1,172 @@
+"""`ringmoe demo` (= `make demo`): serve a MoE model on a cp x ep mesh of local ranks and talk to it as a user.
+
+1. Builds (once, cached) the demo checkpoint: a BPE tokenizer trained on the standard library and
+   the small preset's random weights (``demo_model``).
+2. Starts ``ringmoe serve`` at cp=2 x ep=2 (4 local ranks) on 127.0.0.1 and a free port.
+3. Through the official ``openai`` client: a streaming chat, a long prompt prefilled by ring attention,
+   and a burst of concurrent completions (``serve.bench``'s load generator).
+4. Prints the answers, a per-rank table (requests of its ep group, peak KV blocks, expert rows,
+   exposed ring communication) from the server's /stats, the latency summary, and the exactness line:
+   the server's greedy completions equal one process running the same checkpoint.
+5. Stops the server with SIGTERM (it drains and exits 0) and checks that nothing is left running.
+
+The weights are random until ``ringmoe train`` exists: the text is noise, the machinery is real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ServeDemoOptions", "run_serve_demo"]
+
+
+@dataclass
+class ServeDemoOptions:
+    cp: int = 2
+    ep: int = 2
+    long_prompt_tokens: int = 3000
+    concurrent: int = 16
+    new_tokens: int = 24
+    rebuild: bool = False
+
+
+def _start_server(checkpoint: Path, cp: int, ep: int, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--cp", str(cp), "--ep", str(ep),
+           "--port", str(port), "--served-model-name", "demo", "--kv-cache-tokens", "16384"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 120) -> None:
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ringmoe serve exited: {proc.stderr.read()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"ringmoe serve did not become healthy in {seconds:.0f} s")
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found += children
+                todo += children
+    return found
+
+
+def run_serve_demo(options: ServeDemoOptions) -> bool:
+    import httpx
+    import openai
+    from rich.console import Console
+    from rich.table import Table
+
+    from .demo_model import build_demo_checkpoint, stdlib_texts
+    from .parallel.launch import free_port
+    from .serve import Engine, SamplingParams
+    from .serve.bench import BenchConfig, run_benchmark
+
+    console = Console()
+    console.width = max(console.width, 110)
+    start = time.monotonic()
+    checkpoint = build_demo_checkpoint(rebuild=options.rebuild)
+    console.print(f"[dim]checkpoint: {checkpoint} (small preset, random weights; built in "
+                  f"{time.monotonic() - start:.1f} s or cached)")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    world = options.cp * options.ep
+    proc = _start_server(checkpoint, options.cp, options.ep, port)
+    ok = True
+    try:
+        _wait_healthy(proc, url)
+        ranks = _descendants(proc.pid)
+        console.print(f"[bold]ringmoe serve[/] on {url}: cp={options.cp} x ep={options.ep}, {world} ranks "
+                      f"(pids {ranks[:world]}), up in {time.monotonic() - start:.1f} s")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        console.print("\n[bold]1. streaming chat[/] (openai client, stream=True)")
+        began = time.perf_counter()
+        first = None
+        for chunk in client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                max_tokens=options.new_tokens, temperature=0.7, seed=1, stream=True):
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta:
+                first = first or time.perf_counter() - began
+                console.print(delta, end="", markup=False, highlight=False)
+        console.print(f"\n[dim]first token after {first * 1e3:.0f} ms")
+
+        console.print(f"\n[bold]2. a long prompt[/] (~{options.long_prompt_tokens} tokens of the standard library, "
+                      f"prefilled by ring attention over the cp group)")
+        text = "\n".join(stdlib_texts(200_000))
+        words = text.split(" ")
+        long_prompt = " ".join(words[: int(options.long_prompt_tokens * 0.75)])
+        began = time.perf_counter()
+        answer = client.completions.create(model="demo", prompt=long_prompt, max_tokens=8, temperature=0)
+        console.print(f"{answer.usage.prompt_tokens} prompt tokens -> {answer.choices[0].text!r} in "
+                      f"{time.perf_counter() - began:.2f} s")
+
+        console.print(f"\n[bold]3. {options.concurrent} concurrent streaming completions[/]")
+        load = run_benchmark(BenchConfig(url, "demo", num_prompts=options.concurrent, concurrency=options.concurrent,
+                                         input_len=(16, 128), output_len=(options.new_tokens, options.new_tokens),
+                                         timeout=120))
+        ok &= load["errors"] == 0
+        console.print(f"{load['completed']}/{options.concurrent} answered, {load['errors']} errors, "
+                      f"{load['output_tokens_per_s']:.0f} output tokens/s; TTFT p50 {load['ttft_s']['p50'] * 1e3:.0f} ms"
+                      f" p99 {load['ttft_s']['p99'] * 1e3:.0f} ms; TPOT p50 {load['tpot_s']['p50'] * 1e3:.0f} ms; "
+                      f"end-to-end p99 {load['e2e_s']['p99']:.2f} s")
+
+        stats = httpx.get(f"{url}/stats").json()
+        table = Table(title="per rank (since the server started)")
+        for col in ("rank", "cp,ep", "requests", "peak KV blocks", "expert rows", "ring exposed"):
+            table.add_column(col, justify="right")
+        for row in stats["ranks"]:
+            ring = row["ring_compute_s"] + row["ring_wait_s"]
+            table.add_row(str(row["rank"]), f"{row['cp_rank']},{row['ep_rank']}", str(row["requests"]),
+                          str(row["kv_blocks_peak"]), str(row["expert_rows"]),
+                          f"{row['ring_wait_s'] / ring:.1%}" if ring else "-")
+        console.print(table)
+
+        prompts = ["def add(a, b):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):",
+                   " ".join(words[:300])]
+        served = [client.completions.create(model="demo", prompt=p, max_tokens=options.new_tokens, temperature=0)
+                  .choices[0].text for p in prompts]
+        local = Engine.from_checkpoint(checkpoint).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=options.new_tokens))
+        same = sum(a == b.text for a, b in zip(served, local))
+        exact = same == len(prompts)
+        ok &= exact
+        console.print(f"exactness: the {world}-rank server's greedy completions equal one process for {same} of "
+                      f"{len(prompts)} prompts: {'[green]PASS' if exact else '[red]FAIL'}")
+    finally:
+        ranks = _descendants(proc.pid)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            ok = False
+        time.sleep(0.5)
+        left = [p for p in ranks if Path(f"/proc/{p}").exists()]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    console.print(f"server stopped by SIGTERM: exit code {proc.returncode}, processes left: {len(left)}; "
+                  f"demo took {time.monotonic() - start:.0f} s")
+    return ok and proc.returncode == 0 and not left
