@@ -15,35 +15,24 @@ import sys
 from pathlib import Path
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
-    return number
+def _number(cast, accept, expected: str):
+    """An argparse type: ``cast`` the text, keep it if ``accept(value)``, else say what was ``expected``."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+        return value
+
+    return parse
 
 
-def _positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {value!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
-    return number
-
-
-def _seconds(value: str) -> float:
-    """A duration >= 0 (0 = off)."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {value!r}") from None
-    if not math.isfinite(number) or number < 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
-    return number
+_positive = _number(int, lambda n: n >= 1, "a positive int")
+_positive_float = _number(float, lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
+_seconds = _number(float, lambda x: math.isfinite(x) and x >= 0, "a number of seconds >= 0")  # 0 = off
 
 
 def _writable_file(flag: str, path: str) -> None:

@@ -135,8 +135,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(checkpoint):
 
 def _run_one(engine, prompt, params, others=()):
     """Run ``prompt`` (among ``others``); its output ids and chosen logprobs."""
-    ids = [engine.add_request(p, SamplingParams(temperature=0.8, seed=i, max_tokens=5, logprobs=2))
-           for i, p in enumerate(others)]
+    for i, p in enumerate(others):
+        engine.add_request(p, SamplingParams(temperature=0.8, seed=i, max_tokens=5, logprobs=2))
     target = engine.add_request(prompt, params)
     while engine.has_unfinished:
         engine.step()

@@ -16,7 +16,7 @@ from ringmoe.parallel import make_mesh
 from ringmoe.parallel.launch import spawn
 from ringmoe.serve import Engine, SamplingParams
 
-from .test_engine import LENGTHS, NEW, _hf_greedy, _prompts, _save
+from .test_engine import NEW, _hf_greedy, _prompts, _save
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)

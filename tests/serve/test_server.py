@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

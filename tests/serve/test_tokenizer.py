@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from ringmoe.model import MoETransformer, preset
 from ringmoe.serve import Engine, IncrementalDetokenizer, SamplingParams, Tokenizer
 
-CORPUS = ["def add(a, b):\n    return a + b\n", "naïve café — 東京 🚀 déjà vu", "print('hello, world')\n",
-          "for i in range(10):\n    total += i * i\n", "Größe: 12 €, ½ kg 🍣🍣"] * 20
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+from .conftest import CORPUS, write_tokenizer
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
     path = tmp_path_factory.mktemp("tok")
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    write_tokenizer(path)
     return path
 
 
@@ -37,9 +21,9 @@ def test_round_trip_eos_and_chat_template(folder):
     tok = Tokenizer(folder)
     text = CORPUS[1]
     assert tok.decode(tok.encode(text)) == text
-    assert tok.eos_token_ids == (0,)
+    assert tok.eos_token_ids == (tok.backend.token_to_id("<|im_end|>"),)
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert prompt == "<|user|>hi<eos><|assistant|>"
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         tok.apply_chat_template([{"content": "no role"}])
 

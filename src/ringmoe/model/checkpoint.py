@@ -12,7 +12,6 @@ touched).  Pickled ``.bin`` checkpoints are refused: they can run code.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
