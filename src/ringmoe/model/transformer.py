@@ -152,6 +152,33 @@ class MoETransformer(nn.Module):
             q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout, backend=self.backend, stats=ring_stats
         )
 
+    def packed_attend(self, cu_seqlens: torch.Tensor, max_seqlen: int, ring_stats: RingStats | None = None) -> Attend:
+        """Causal attention within packed documents (int32 ``cu_seqlens``, global, the same on every rank).
+
+        The rank's input is its ``shard_varlen`` rows of the packed (1, total_tokens) row; under cp > 1 the
+        ring carries K/V (``ring_flash_attn_varlen_func``), else ``flash_attn_varlen_func``.
+        """
+        from ..attention import flash_attn_varlen_func
+        from ..parallel.varlen import ring_flash_attn_varlen_func
+
+        if self.mesh.cp == 1:
+            return lambda index, q, k, v: flash_attn_varlen_func(
+                q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True, backend=self.backend
+            )[None]
+        return lambda index, q, k, v: ring_flash_attn_varlen_func(
+            q[0], k[0], v[0], cu_seqlens, max_seqlen, group=self.mesh.cp_group, causal=True, layout=self.layout,
+            backend=self.backend, stats=ring_stats,
+        )[None]
+
+    def packed_positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Positions within their documents (int64 (local_tokens,)) of this rank's rows of a packed row."""
+        from ..parallel.varlen import varlen_positions
+
+        bounds = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+        rows = varlen_positions(bounds, self.mesh.cp, self.mesh.cp_rank, self.layout)
+        document = torch.searchsorted(bounds, rows, right=True) - 1
+        return rows - bounds[document]
+
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       attend: Attend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
         """Final-norm hidden states (B_local, S_local, hidden) of this rank's tokens."""

@@ -246,7 +246,7 @@ def _expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor
 
 def _stats(layer, routing, plan, keep, received_rows: torch.Tensor, timings):
     """Global per-expert counts (one all-reduce), rows and expert seconds per rank (one all-gather), timings."""
-    from .layer import MoEStats
+    from .layer import MoEStats, RouterSums
 
     group, world = layer.group, layer.ep_size
     device = plan.order.device
@@ -278,4 +278,5 @@ def _stats(layer, routing, plan, keep, received_rows: torch.Tensor, timings):
         tokens_per_rank=per_rank,
         rank_imbalance=float(per_rank.max() / rank_mean) if rank_mean > 0 else 1.0,
         timings=timings,
+        router_sums=RouterSums.of(routing, layer.num_experts),
     )

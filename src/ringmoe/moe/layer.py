@@ -15,7 +15,7 @@ from .expert_parallel import expert_parallel_forward
 from .experts import SharedExpert, SwiGLUExperts
 from .router import Router, load_balancing_loss, router_z_loss
 
-__all__ = ["MoELayer", "MoEStats", "check_capacity_factor"]
+__all__ = ["MoELayer", "MoEStats", "RouterSums", "check_capacity_factor"]
 
 
 @dataclass
@@ -48,6 +48,27 @@ class MoEStats:
     tokens_per_rank: torch.Tensor | None = None
     rank_imbalance: float | None = None
     timings: dict | None = None
+    router_sums: "RouterSums | None" = None
+
+
+@dataclass
+class RouterSums:
+    """This call's sums over its own tokens, for balancing losses over a whole (distributed) batch.
+
+    prob_sum (E,): router probabilities summed over tokens (with gradients); assignments (E,): top-k
+    choices per expert (no gradient); z_sum: sum of logsumexp(logits)^2 (with gradients); tokens.
+    """
+
+    prob_sum: torch.Tensor
+    assignments: torch.Tensor
+    z_sum: torch.Tensor
+    tokens: int
+
+    @classmethod
+    def of(cls, routing, num_experts: int) -> "RouterSums":
+        counts = torch.bincount(routing.topk_idx.reshape(-1), minlength=num_experts).to(routing.probs.dtype)
+        return cls(routing.probs.sum(0), counts, torch.logsumexp(routing.logits, dim=-1).square().sum(),
+                   routing.probs.shape[0])
 
 
 def check_capacity_factor(capacity_factor) -> None:
@@ -201,6 +222,7 @@ class MoELayer(nn.Module):
             aux_loss=load_balancing_loss(routing.probs, routing.topk_idx, self.num_experts),
             z_loss=router_z_loss(routing.logits),
             imbalance=float(routed.max() / mean) if mean > 0 else 1.0,
+            router_sums=RouterSums.of(routing, self.num_experts),
         )
 
     # -- transformers interop -------------------------------------------------------

@@ -94,7 +94,11 @@ class Router(nn.Module):
         logits = linear(x.to(dtype), self.weight.to(dtype))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
-            weight, idx = torch.topk(probs, self.top_k, dim=-1)
+            if self.correction_bias.any():  # auxiliary-loss-free balancing: the bias steers the choice only
+                idx = torch.topk(probs.detach() + self.correction_bias, self.top_k, dim=-1).indices
+                weight = probs.gather(1, idx)
+            else:
+                weight, idx = torch.topk(probs, self.top_k, dim=-1)
             if self.normalize_topk:
                 weight = weight / weight.sum(dim=-1, keepdim=True)
             return Routing(logits, probs, idx, weight)

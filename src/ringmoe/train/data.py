@@ -1,0 +1,131 @@
+"""Training data: a corpus of documents, tokenized, packed into fixed-length sequences that keep boundaries.
+
+``load_corpus``: the standard library's Python sources by default (present wherever Python is), any
+folder of text files, or a jsonl file with a "text" field.  Documents are split into train and
+validation deterministically (every ``val_every``-th document is held out).
+
+``PackedStream`` concatenates tokenized documents and cuts the stream into sequences of ``seqlen``
+tokens; a document that crosses a cut continues as a new document in the next sequence.  Each
+sequence carries its int32 ``cu_seqlens`` (document boundaries inside it), so attention never
+crosses a document and positions restart at every document.  The stream is a pure function of the
+corpus and its position, so training resumes exactly from a saved position.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_corpus", "split_corpus", "PackedStream", "Batch", "next_token_labels", "unigram_entropy"]
+
+IGNORE = -100
+
+
+def load_corpus(path: str | Path | None = None, max_bytes: int = 8_000_000) -> list[str]:
+    """Documents: the stdlib's .py files (None), every text file under a folder, or a jsonl's "text" fields."""
+    if path is None:
+        from ..demo_model import stdlib_texts
+
+        return stdlib_texts(max_bytes)
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--data {str(path)!r} does not exist")
+    docs, total = [], 0
+    if path.is_file():
+        if path.suffix != ".jsonl":
+            raise ValueError(f"--data {str(path)!r}: expected a folder of text files or a .jsonl file")
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{str(path)!r} line {number}: expected a JSON object with a \"text\" string") from None
+            docs.append(str(text))
+            total += len(docs[-1])
+            if total >= max_bytes:
+                break
+    else:
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            try:
+                docs.append(file.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, OSError):
+                continue
+            total += len(docs[-1])
+            if total >= max_bytes:
+                break
+    docs = [d for d in docs if d.strip()]
+    if len(docs) < 2:
+        raise ValueError(f"--data {str(path)!r} holds {len(docs)} text documents; need at least 2 (train and validation)")
+    return docs
+
+
+def split_corpus(docs: list[str], val_every: int = 20) -> tuple[list[str], list[str]]:
+    """(train, validation): every ``val_every``-th document (from the first) goes to validation."""
+    val = [d for i, d in enumerate(docs) if i % val_every == 0]
+    train = [d for i, d in enumerate(docs) if i % val_every != 0]
+    return train, val
+
+
+@dataclass
+class Batch:
+    """ids (rows, seqlen) int64; cu_seqlens: per row, int32 document boundaries inside the row."""
+
+    ids: torch.Tensor
+    cu_seqlens: list[torch.Tensor]
+
+
+def _cuts(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+class PackedStream:
+    """Fixed-length sequences from tokenized documents, document boundaries kept; resumable by position."""
+
+    def __init__(self, docs: list[list[int]], seqlen: int, eos_id: int | None = None):
+        if seqlen < 2:
+            raise ValueError(f"seqlen must be >= 2, got {seqlen}")
+        tokens, starts = [], []
+        for doc in docs:
+            if not doc:
+                continue
+            starts.append(len(tokens))
+            tokens += list(doc) + ([eos_id] if eos_id is not None else [])
+        if len(tokens) < seqlen:
+            raise ValueError(f"the corpus holds {len(tokens)} tokens, fewer than one sequence of {seqlen}")
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)
+        self.starts = torch.tensor(starts + [len(tokens)], dtype=torch.int64)
+        self.seqlen = seqlen
+        self.num_sequences = len(tokens) // seqlen
+
+    def sequence(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``index`` (modulo the stream's length): ids (seqlen,), cu_seqlens int32."""
+        index %= self.num_sequences
+        lo, hi = index * self.seqlen, (index + 1) * self.seqlen
+        inside = self.starts[(self.starts > lo) & (self.starts < hi)].tolist()
+        bounds = [lo] + inside + [hi]
+        return self.tokens[lo:hi], _cuts([b - a for a, b in zip(bounds, bounds[1:])])
+
+    def batch(self, position: int, rows: int) -> Batch:
+        """The ``rows`` sequences starting at sequence ``position``."""
+        seqs = [self.sequence(position + r) for r in range(rows)]
+        return Batch(torch.stack([s[0] for s in seqs]), [s[1] for s in seqs])
+
+
+def next_token_labels(ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Labels (seqlen,) for one packed row: the next token within the same document, IGNORE at a document's end."""
+    labels = torch.full_like(ids, IGNORE)
+    labels[:-1] = ids[1:]
+    ends = cu_seqlens[1:].long() - 1
+    labels[ends] = IGNORE
+    return labels
+
+
+def unigram_entropy(stream: PackedStream) -> float:
+    """Entropy (nats) of the tokens' unigram distribution: the loss of a model that ignores context."""
+    counts = torch.bincount(stream.tokens).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())

@@ -1,0 +1,70 @@
+"""Optimizer steps on cp x ep meshes equal one process (float64): packed documents, clipping, balancing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringmoe.model import MoETransformer, preset
+from ringmoe.parallel import make_mesh
+from ringmoe.parallel.launch import spawn
+from ringmoe.train import PackedStream, TrainConfig, Trainer
+from ringmoe.train.data import next_token_labels
+
+CONFIG = preset("tiny")
+
+
+def _stream():
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 9, 30, 4, 17, 2, 40, 11, 6, 25, 3, 13]  # documents shorter and longer than a sequence
+    docs = [torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    return PackedStream(docs, seqlen=24)
+
+
+def _run(rank, world, cp, ep, layout, balance, steps):
+    mesh = make_mesh(cp, ep)
+    model = MoETransformer(CONFIG, mesh, layout).double()
+    model.init_weights(5, std=0.2)
+    trainer = Trainer(model, TrainConfig(rows=4, lr=1e-2, warmup=2, steps=10, clip=0.05, balance=balance,
+                                         aux_coef=0.1, z_coef=0.01, bias_rate=0.05), _stream())
+    history = [trainer.step() for _ in range(steps)]
+    state = {}
+    for name, param in model.named_parameters():
+        value = param.detach().clone()
+        if name in model.expert_parameters():  # every expert, gathered over the ep group
+            layer = model.layers[int(name.split(".")[1])]
+            full = torch.zeros(CONFIG.num_experts, *value.shape[1:], dtype=value.dtype)
+            full[layer.mlp.slot_experts] = value
+            if mesh.ep_group is not None:
+                torch.distributed.all_reduce(full, group=mesh.ep_group)
+            value = full
+        state[name] = value
+    biases = [layer.mlp.router.correction_bias.clone() for layer in model.layers]
+    return history, state, biases
+
+
+@pytest.mark.parametrize("cp, ep, layout", [(2, 1, "zigzag"), (1, 2, "zigzag"), (2, 2, "striped"), (3, 1, "zigzag")])
+@pytest.mark.parametrize("balance", ["aux", "bias"])
+def test_steps_on_a_mesh_equal_one_process(cp, ep, layout, balance):
+    want_history, want_state, want_bias = spawn(_run, 1, 1, 1, layout, balance, 3, timeout=120)[0]
+    results = spawn(_run, cp * ep, cp, ep, layout, balance, 3, timeout=240)
+    assert all(h["grad_norm"] > 0.05 for h in want_history)  # clipping was active on every step
+    for history, state, bias in results:
+        for got, want in zip(history, want_history):
+            for key in ("loss", "aux", "z", "grad_norm"):
+                assert abs(got[key] - want[key]) < 1e-10, (key, got[key], want[key])
+        for name, value in state.items():
+            assert (value - want_state[name]).abs().max() < 1e-10, name
+        for got, want in zip(bias, want_bias):
+            assert torch.equal(got, want)
+    if balance == "bias":
+        assert any(b.abs().sum() > 0 for b in want_bias)
+
+
+def test_labels_stay_inside_documents():
+    ids = torch.arange(10)
+    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    assert next_token_labels(ids, cu).tolist() == [1, 2, -100, -100, 5, 6, 7, 8, 9, -100]
+    stream = _stream()
+    seq, bounds = stream.sequence(1)
+    assert bounds[0] == 0 and bounds[-1] == 24 and (bounds[1:] > bounds[:-1]).all()
