@@ -174,7 +174,7 @@ class Trainer:
         self.position += config.rows
         self.step_count += 1
         imbalance = max(float(load.max() / load.mean()) for load in loads)
-        return {"step": self.step_count, "loss": float(lm_total), "aux": float(aux), "z": float(z),
+        return {"step": self.step_count, "loss": float(lm_total), "aux": float(aux.detach()), "z": float(z.detach()),
                 "grad_norm": norm, "lr": lr, "tokens": total_tokens, "router_imbalance": imbalance}
 
     @torch.no_grad()
