@@ -194,6 +194,52 @@ def _add_serve(sub) -> None:
                        help="spawn: local ranks (default); torchrun: this process is one rank")
 
 
+def _add_train(sub) -> None:
+    train = sub.add_parser(
+        "train", help="train a MoE model on packed documents on a cp x ep mesh; writes a transformers checkpoint",
+        description="Trains a byte-level BPE tokenizer and the model on a corpus (default: the Python standard "
+                    "library's sources), packing documents into sequences whose attention never crosses a "
+                    "document (varlen ring attention under --cp > 1). Writes checkpoints (resumable), metrics.jsonl, "
+                    "loss.png and out/hf, a transformers folder that `ringmoe serve --model OUT/hf` serves.")
+    train.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    train.add_argument("--data", metavar="PATH", help="a folder of text files or a .jsonl with a \"text\" field "
+                       "(default: the standard library's .py files)")
+    train.add_argument("--preset", default="small", help="model preset (default small)")
+    train.add_argument("--vocab-size", type=_positive, default=None, help="tokenizer/model vocabulary (default: preset's)")
+    train.add_argument("--cp", type=_positive, default=1)
+    train.add_argument("--ep", type=_positive, default=1)
+    train.add_argument("--seqlen", type=_positive, default=512)
+    train.add_argument("--tokens-per-step", type=_positive, default=8192)
+    train.add_argument("--steps", type=_positive, default=200)
+    train.add_argument("--minutes", type=_positive_float, default=None, help="stop after this long (whichever first)")
+    train.add_argument("--lr", type=_positive_float, default=3e-3)
+    train.add_argument("--warmup", type=_positive, default=20)
+    train.add_argument("--balance", default="aux", choices=["aux", "bias", "none"],
+                       help="load balancing: auxiliary loss, or DeepSeek-V3's aux-loss-free bias")
+    train.add_argument("--eval-every", type=_positive, default=50)
+    train.add_argument("--save-every", type=_positive, default=100)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+
+
+def _train(args) -> int:
+    from rich.console import Console
+
+    from .train.run import TrainOptions, run_training
+
+    console = Console()
+    console.width = max(console.width, 120)
+    options = TrainOptions(out=args.out, data=args.data, preset=args.preset, vocab_size=args.vocab_size, cp=args.cp,
+                           ep=args.ep, seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
+                           minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
+                           eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume)
+    result = run_training(options, console)
+    console.print(f"trained {result['steps']} steps: validation loss {result['val_loss']:.3f} nats "
+                  f"(unigram entropy {result['unigram_entropy']:.3f}); transformers checkpoint: {result['hf']}")
+    return 0
+
+
 def _add_bench(sub) -> None:
     bench_parser = sub.add_parser("bench", help="load benchmarks")
     bench = bench_parser.add_subparsers(dest="bench_command", required=True)
@@ -292,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     attention.add_argument("--seed", type=int, default=0, help="random seed")
     _add_simulate(sub)
     _add_serve(sub)
+    _add_train(sub)
     _add_bench(sub)
     for name in ("demo", "check", "simulate", "serve"):  # --debug after the command too
         sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -304,6 +351,8 @@ def _run(args) -> int:
         return _simulate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "train":
+        return _train(args)
     if args.command == "bench":
         return _bench_serve(args)
     if args.command == "attention":

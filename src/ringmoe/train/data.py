@@ -124,8 +124,8 @@ def next_token_labels(ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
     return labels
 
 
-def unigram_entropy(stream: PackedStream) -> float:
-    """Entropy (nats) of the tokens' unigram distribution: the loss of a model that ignores context."""
-    counts = torch.bincount(stream.tokens).double()
+def unigram_entropy(docs: list[list[int]]) -> float:
+    """Entropy (nats) of the documents' unigram token distribution: the loss of a model that ignores context."""
+    counts = torch.bincount(torch.tensor([t for doc in docs for t in doc], dtype=torch.int64)).double()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())

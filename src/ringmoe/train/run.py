@@ -1,0 +1,221 @@
+"""`ringmoe train`: a corpus in, a transformers checkpoint (and resumable training state) out.
+
+The parent process prepares everything a rank needs before any rank starts: the corpus (the
+standard library's sources by default), its train / validation split, a byte-level BPE tokenizer
+trained on the training documents (``out/tokenizer``; reused on --resume) and the tokenized documents.
+Then the ranks (a local cp x ep mesh, or one process) train: every ``eval_every`` steps the validation
+loss, every ``save_every`` steps and at the end a checkpoint (``out/step-N``), and at the end the
+transformers export (``out/hf``: config.json, model.safetensors, tokenizer files), the metrics as JSONL
+(``out/metrics.jsonl``) and a PNG of the loss curves (``out/loss.png``).  Rank 0 decides when to stop
+(``steps`` reached or ``minutes`` spent) and tells the others each step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .data import unigram_entropy
+
+__all__ = ["TrainOptions", "run_training"]
+
+
+@dataclass
+class TrainOptions:
+    out: str
+    data: str | None = None
+    preset: str = "small"
+    vocab_size: int | None = None       # default: the preset's
+    cp: int = 1
+    ep: int = 1
+    seqlen: int = 512
+    tokens_per_step: int = 8192
+    steps: int = 200
+    minutes: float | None = None
+    lr: float = 3e-3
+    warmup: int = 20
+    balance: str = "aux"
+    clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_sequences: int = 16
+    save_every: int = 100
+    resume: bool = False
+    layout: str = "zigzag"
+    peak_flops: float = 1.6e11          # this 2-core CPU's measured sgemm peak; MFU is relative to it
+    max_bytes: int = 4_000_000
+
+    @property
+    def rows(self) -> int:
+        return self.tokens_per_step // self.seqlen
+
+
+def _config(options: TrainOptions):
+    from ..model import preset
+
+    config = preset(options.preset)
+    return config.replace(vocab_size=options.vocab_size) if options.vocab_size else config
+
+
+def validate(options: TrainOptions) -> None:
+    from ..parallel.layout import LAYOUTS
+
+    for name in ("cp", "ep", "seqlen", "tokens_per_step", "steps", "eval_every", "save_every", "warmup"):
+        if getattr(options, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+    if options.tokens_per_step % options.seqlen:
+        raise ValueError(f"--tokens-per-step ({options.tokens_per_step}) must be a multiple of --seqlen ({options.seqlen})")
+    if options.rows % options.ep:
+        raise ValueError(f"--tokens-per-step / --seqlen = {options.rows} sequences must be divisible by --ep ({options.ep})")
+    if options.layout not in LAYOUTS:
+        raise ValueError(f"--layout must be one of {LAYOUTS}")
+    if options.minutes is not None and not options.minutes > 0:
+        raise ValueError(f"--minutes must be > 0, got {options.minutes}")
+    if _config(options).num_experts % options.ep:
+        raise ValueError(f"--ep ({options.ep}) must divide the model's experts")
+    parent = Path(options.out).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {options.out}: the folder {str(parent)!r} does not exist")
+
+
+def _prepare(options: TrainOptions):
+    """(train token lists, validation token lists, eos id, tokenizer folder) built in the parent."""
+    from ..demo_model import train_tokenizer
+    from ..serve.tokenizer import Tokenizer
+    from .data import load_corpus, split_corpus
+
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_texts, val_texts = split_corpus(load_corpus(options.data, options.max_bytes))
+    folder = out / "tokenizer"
+    if not (options.resume and (folder / "tokenizer.json").is_file()):
+        folder.mkdir(exist_ok=True)
+        train_tokenizer(train_texts, _config(options).vocab_size, folder)
+    tokenizer = Tokenizer(folder)
+    if tokenizer.vocab_size > _config(options).vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {_config(options).vocab_size}")
+    encode = lambda texts: [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # noqa: E731
+    return encode(train_texts), encode(val_texts), tokenizer.eos_token_ids[0], folder
+
+
+def _flops_per_token(config, seqlen: int) -> float:
+    """6 x active non-embedding parameters + causal attention (6 x layers x heads x head_dim x seqlen)."""
+    active = config.active_params - config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return 6 * active + 6 * config.num_layers * config.num_heads * config.head_dim * seqlen
+
+
+def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_docs, eos: int, tokenizer_folder,
+               progress=None) -> dict:
+    from ..model import MoETransformer
+    from ..parallel import make_mesh
+    from . import checkpoint
+    from .data import PackedStream
+    from .loop import TrainConfig, Trainer
+
+    torch.manual_seed(options.seed)
+    mesh = make_mesh(options.cp, options.ep)
+    config = _config(options)
+    model = MoETransformer(config, mesh, options.layout)
+    model.init_weights(options.seed)
+    settings = TrainConfig(rows=options.rows, lr=options.lr, warmup=options.warmup, steps=options.steps,
+                           clip=options.clip, balance=options.balance)
+    trainer = Trainer(model, settings, PackedStream(train_docs, options.seqlen, eos))
+    validation = PackedStream(val_docs, options.seqlen, eos)
+    out = Path(options.out)
+    if options.resume and checkpoint.resume(trainer, out) and rank == 0:
+        print(f"resumed from {checkpoint.latest(out)} at step {trainer.step_count}", flush=True)
+    flops = _flops_per_token(config, options.seqlen)
+    metrics = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    started, last_eval = time.monotonic(), None
+    while True:
+        stop = torch.tensor([trainer.step_count >= options.steps or (
+            options.minutes is not None and time.monotonic() - started > 60 * options.minutes)], dtype=torch.int64)
+        if world > 1:
+            dist.broadcast(stop, src=0)
+        if bool(stop):
+            break
+        begin = time.perf_counter()
+        row = trainer.step()
+        seconds = time.perf_counter() - begin
+        row["tokens_per_s"] = row["tokens"] / seconds
+        row["mfu"] = row["tokens_per_s"] * flops / options.peak_flops  # the whole machine's peak
+        if trainer.step_count % options.eval_every == 0 or trainer.step_count == options.steps:
+            row["val_loss"] = last_eval = trainer.evaluate(validation, options.eval_sequences)
+        if trainer.step_count % options.save_every == 0:
+            checkpoint.save(trainer, out)
+        if rank == 0:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            if progress is not None:
+                progress.put(row)
+    if last_eval is None or "val_loss" not in row:
+        last_eval = trainer.evaluate(validation, options.eval_sequences)
+    checkpoint.save(trainer, out)
+    hf = checkpoint.export(model, out / "hf", tokenizer_folder, eos_token_id=eos)
+    if rank == 0:
+        metrics.close()
+        _plot(out / "metrics.jsonl", out / "loss.png")
+    return {"steps": trainer.step_count, "val_loss": last_eval, "hf": str(hf) if hf else None}
+
+
+def _plot(metrics_file: Path, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
+    evals = [r for r in rows if "val_loss" in r]
+    ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_training(options: TrainOptions, console=None) -> dict:
+    """Prepare in this process, train on the local mesh (or here), return rank 0's summary."""
+    import multiprocessing as mp
+
+    from ..parallel.launch import spawn
+
+    validate(options)
+    train_docs, val_docs, eos, tokenizer_folder = _prepare(options)
+    world = options.cp * options.ep
+    updates = mp.get_context("fork").Queue()
+
+    def show():
+        while True:
+            try:
+                row = updates.get_nowait()
+            except queue.Empty:
+                return
+            if console is not None:
+                line = (f"step {row['step']:5d}  loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s  "
+                        f"MFU {row['mfu']:.1%}  router imbalance {row['router_imbalance']:.2f}")
+                if "val_loss" in row:
+                    line += f"  val {row['val_loss']:.3f}"
+                console.print(line)
+
+    threads = max(1, torch.get_num_threads() // world)
+    try:
+        result = spawn(train_rank, world, options, train_docs, val_docs, eos, tokenizer_folder, updates,
+                       threads_per_rank=threads, timeout=None, on_poll=show)[0]
+    finally:
+        show()
+        updates.close()
+        updates.cancel_join_thread()
+    result["unigram_entropy"] = unigram_entropy(val_docs)
+    return result
