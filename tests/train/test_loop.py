@@ -68,3 +68,31 @@ def test_labels_stay_inside_documents():
     stream = _stream()
     seq, bounds = stream.sequence(1)
     assert bounds[0] == 0 and bounds[-1] == 24 and (bounds[1:] > bounds[:-1]).all()
+
+
+def _gradients(rank, world, cp, ep, checkpointing):
+    mesh = make_mesh(cp, ep)
+    model = MoETransformer(CONFIG, mesh).double()
+    model.init_weights(5, std=0.2)
+    trainer = Trainer(model, TrainConfig(rows=4, clip=1e9, activation_checkpointing=checkpointing), _stream())
+    trainer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("cp, ep", [(1, 1), (2, 2)])
+def test_activation_checkpointing_gives_the_same_step(cp, ep):
+    plain = spawn(_gradients, cp * ep, cp, ep, False, timeout=120)
+    recomputed = spawn(_gradients, cp * ep, cp, ep, True, timeout=120)
+    for a, b in zip(plain, recomputed):
+        assert all((a[n] - b[n]).abs().max() < 1e-12 for n in a)
+
+
+def test_bf16_autocast_trains_with_float32_master_weights():
+    model = MoETransformer(CONFIG)
+    model.init_weights(5, std=0.2)
+    trainer = Trainer(model, TrainConfig(rows=4, lr=1e-2, warmup=1, bf16=True), _stream())
+    losses = [trainer.step()["loss"] for _ in range(8)]
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="float32 master weights"):
+        Trainer(MoETransformer(CONFIG).double(), TrainConfig(bf16=True), _stream())

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from ..attention import flash_attn_func
 from ..batch_invariant import InvariantLinear
@@ -64,7 +65,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x (B, S, heads, D) by position: pairs (x_i, x_{i+D/2}) turn by their angle."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)  # autocast: stay in x's dtype
 
 
 class Attention(nn.Module):
@@ -128,6 +129,7 @@ class MoETransformer(nn.Module):
         self.config = config
         self.mesh = mesh if mesh is not None else Mesh()
         self.layout, self.backend = layout, backend
+        self.activation_checkpointing = False  # training: recompute each layer in backward (memory for compute)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.mesh.ep_group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -189,9 +191,13 @@ class MoETransformer(nn.Module):
             attend = self.causal_attend(ring_stats)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             with activity(f"layer {index}"):
-                x = layer(x, cos, sin, attend)
+                if checkpointing:  # keep only the layer's input; recompute its inside during backward
+                    x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attend, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, attend)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -51,6 +51,8 @@ class TrainConfig:
     aux_coef: float = 1e-2
     z_coef: float = 1e-3
     bias_rate: float = 1e-3
+    bf16: bool = False           # autocast matrix products to bfloat16; weights and optimizer stay float32
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         if self.balance not in ("aux", "bias", "none"):
@@ -91,6 +93,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_at)
         self.position = 0  # sequences consumed
         self.step_count = 0
+        model.activation_checkpointing = config.activation_checkpointing
+        if config.bf16 and model.embed_tokens.weight.dtype != torch.float32:
+            raise ValueError("bf16 autocast keeps float32 master weights: build the model in float32")
 
     def _local_batch(self):
         """This rank's ids (1, local), labels (local,), positions, the group's cu_seqlens, and N (global labels)."""
@@ -148,8 +153,10 @@ class Trainer:
         """One optimizer step on the next ``rows`` sequences; the global figures of the step."""
         config, model = self.config, self.model
         ids, labels, positions, cu, longest, valid, total_tokens = self._local_batch()
-        hidden = model.hidden_states(ids, positions.to(ids.device), model.packed_attend(cu, longest))
-        logits = model.lm_head(hidden[0])
+        device = model.embed_tokens.weight.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=config.bf16):
+            hidden = model.hidden_states(ids, positions.to(ids.device), model.packed_attend(cu, longest))
+            logits = model.lm_head(hidden[0])
         ce_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels,
                                  ignore_index=IGNORE, reduction="sum")
         lm = ce_sum / valid

@@ -13,7 +13,6 @@ transformers export (``out/hf``: config.json, model.safetensors, tokenizer files
 from __future__ import annotations
 
 import json
-import math
 import queue
 import time
 from dataclasses import dataclass
@@ -49,6 +48,8 @@ class TrainOptions:
     save_every: int = 100
     resume: bool = False
     layout: str = "zigzag"
+    bf16: bool = False
+    activation_checkpointing: bool = False
     peak_flops: float = 1.6e11          # this 2-core CPU's measured sgemm peak; MFU is relative to it
     max_bytes: int = 4_000_000
 
@@ -125,7 +126,8 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
     model = MoETransformer(config, mesh, options.layout)
     model.init_weights(options.seed)
     settings = TrainConfig(rows=options.rows, lr=options.lr, warmup=options.warmup, steps=options.steps,
-                           clip=options.clip, balance=options.balance)
+                           clip=options.clip, balance=options.balance, bf16=options.bf16,
+                           activation_checkpointing=options.activation_checkpointing)
     trainer = Trainer(model, settings, PackedStream(train_docs, options.seqlen, eos))
     validation = PackedStream(val_docs, options.seqlen, eos)
     out = Path(options.out)
