@@ -34,6 +34,11 @@ def test_train_export_serve_and_resume(tmp_path, capsys):
     ids = torch.randint(0, 384, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids)).abs().max() < 1e-4
+        want, got = ids[0].tolist(), ids[0].tolist()
+        for _ in range(8):  # greedy tokens: transformers recomputing the sequence vs ringmoe's
+            want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
+            got.append(int(ours(torch.tensor([got]))[0, -1].argmax()))
+        assert got == want
     from ringmoe.serve import Engine, SamplingParams
 
     text = Engine.from_checkpoint(out / "hf").generate(["def "], SamplingParams(temperature=0, max_tokens=12))[0].text
