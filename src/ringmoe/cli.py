@@ -221,6 +221,8 @@ def _add_train(sub) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     train.add_argument("--bf16", action="store_true", help="bfloat16 autocast, float32 master weights")
+    train.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
+                       help="spawn: local ranks (default); torchrun: this process is one rank")
     train.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute each layer in backward: less memory, more compute")
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
@@ -238,7 +240,7 @@ def _train(args) -> int:
                            minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
                            eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,
                            bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
-    result = run_training(options, console)
+    result = run_training(options, console, args.launcher)
     console.print(f"trained {result['steps']} steps: validation loss {result['val_loss']:.3f} nats "
                   f"(unigram entropy {result['unigram_entropy']:.3f}); transformers checkpoint: {result['hf']}")
     return 0

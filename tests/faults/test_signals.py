@@ -1,4 +1,4 @@
-"""Signals to a running `ringmoe demo`: every rank stops with it, quickly, and nothing is left behind."""
+"""Signals to a running `ringmoe check` (a mesh job): every rank stops with it, quickly, and nothing is left behind."""
 
 from __future__ import annotations
 

@@ -60,3 +60,21 @@ def test_train_on_a_mesh_from_a_jsonl(tmp_path, capsys):
     assert (out / "hf" / "model.safetensors").is_file() and (out / "step-000006").is_dir()
     assert main(["train", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_train_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    from ringmoe.parallel.launch import free_port
+
+    out = tmp_path / "tr"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "ringmoe.cli", "train", "--launcher", "torchrun", "--out", str(out),
+         "--cp", "1", "--ep", "2", "--steps", "4", "--preset", "tiny", "--vocab-size", "300", "--seqlen", "64",
+         "--tokens-per-step", "256", "--eval-every", "2", "--save-every", "2"],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "step-000004").is_dir()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4

@@ -86,8 +86,11 @@ def validate(options: TrainOptions) -> None:
         raise ValueError(f"--out {options.out}: the folder {str(parent)!r} does not exist")
 
 
-def _prepare(options: TrainOptions):
-    """(train token lists, validation token lists, eos id, tokenizer folder) built in the parent."""
+def _prepare(options: TrainOptions, reuse_tokenizer: bool | None = None):
+    """(train token lists, validation token lists, eos id, tokenizer folder) built in the parent.
+
+    The tokenizer in ``out/tokenizer`` is trained anew unless reused (on --resume, or by ranks other than
+    the one that trained it under torchrun)."""
     from ..demo_model import train_tokenizer
     from ..serve.tokenizer import Tokenizer
     from .data import load_corpus, split_corpus
@@ -96,7 +99,8 @@ def _prepare(options: TrainOptions):
     out.mkdir(parents=True, exist_ok=True)
     train_texts, val_texts = split_corpus(load_corpus(options.data, options.max_bytes))
     folder = out / "tokenizer"
-    if not (options.resume and (folder / "tokenizer.json").is_file()):
+    reuse = options.resume if reuse_tokenizer is None else reuse_tokenizer
+    if not (reuse and (folder / "tokenizer.json").is_file()):
         folder.mkdir(exist_ok=True)
         train_tokenizer(train_texts, _config(options).vocab_size, folder)
     tokenizer = Tokenizer(folder)
@@ -187,15 +191,29 @@ def _plot(metrics_file: Path, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run_training(options: TrainOptions, console=None) -> dict:
-    """Prepare in this process, train on the local mesh (or here), return rank 0's summary."""
+def run_training(options: TrainOptions, console=None, launcher: str = "spawn") -> dict:
+    """Prepare in this process, train on the local mesh (or, under torchrun, as this rank); rank 0's summary."""
     import multiprocessing as mp
 
-    from ..parallel.launch import spawn
+    from ..parallel.launch import init_from_env, spawn
 
     validate(options)
-    train_docs, val_docs, eos, tokenizer_folder = _prepare(options)
     world = options.cp * options.ep
+    if launcher == "torchrun":
+        rank, size = init_from_env()
+        if size != world:
+            raise ValueError(f"torchrun started {size} processes; --cp x --ep is {world}")
+        if rank == 0:  # one rank trains the tokenizer; the others read it (the documents are deterministic)
+            _prepare(options)
+        dist.barrier()
+        train_docs, val_docs, eos, tokenizer_folder = _prepare(options, reuse_tokenizer=True)
+        try:
+            result = train_rank(rank, size, options, train_docs, val_docs, eos, tokenizer_folder)
+        finally:
+            dist.destroy_process_group()
+        result["unigram_entropy"] = unigram_entropy(val_docs)
+        return result
+    train_docs, val_docs, eos, tokenizer_folder = _prepare(options)
     updates = mp.get_context("fork").Queue()
 
     def show():
