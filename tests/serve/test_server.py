@@ -268,3 +268,13 @@ def test_a_rank_killed_during_load_ends_the_mesh_server_with_the_rank_named(serv
         load.join(timeout=60)
     finally:
         s.stop()
+
+
+def test_without_max_tokens_a_long_prompt_gets_what_the_context_leaves(server):
+    limit = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    long = "hello world " * 790  # 3950 tokens: the 4096-token KV cache (1x1) leaves 146, below the default 256
+    reply = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": long, "temperature": 0,
+                                                              "ignore_eos": True}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    assert usage["completion_tokens"] == min(256, limit - usage["prompt_tokens"])

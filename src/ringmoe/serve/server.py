@@ -77,7 +77,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMe
         if body.model != model_name:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                                "model", 404, "invalid_request_error", "model_not_found")
-        params = sampling_params(body, default_max_tokens)
+        sampling_params(body, default_max_tokens)  # the fields' errors first, before tokenizing
         if chat:
             if tokenizer is None or not tokenizer.chat_template:
                 raise RequestError("this model has no chat template: use /v1/completions", "messages")
@@ -97,6 +97,9 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMe
                 raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if not ids:
             raise RequestError("prompt must hold at least one token", "prompt")
+        # no max_tokens: as much as the context leaves, up to the server's default (vLLM's rule)
+        room = min(scheduler.max_model_len, scheduler.capacity) - len(ids)
+        params = sampling_params(body, max(1, min(default_max_tokens, room)))
         try:
             scheduler.check_admissible(len(ids), params.max_tokens)
         except ValueError as error:
