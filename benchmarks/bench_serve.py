@@ -92,7 +92,9 @@ def main():
     for kind in args.servers.split(","):
         proc, url, model = start(kind, checkpoint)
         try:
-            warm = BenchConfig(url, model, num_prompts=4, concurrency=4, input_len=(32, 32), output_len=(4, 4))
+            # warm-up at the measured lengths (first long prefills allocate, and kernels pick their plans)
+            warm = BenchConfig(url, model, num_prompts=16, concurrency=8, input_len=(32, 256),
+                               output_len=(args.new, args.new), seed=99)
             run_benchmark(warm)
             plans = [(math.inf, int(c)) for c in args.concurrency.split(",")]
             plans += [(float(r), max(int(c) for c in args.concurrency.split(","))) for r in args.rates.split(",")]
