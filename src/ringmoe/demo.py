@@ -285,12 +285,10 @@ def run_demo_torchrun(options: DemoOptions) -> bool:
     """This process is one rank under torchrun (NCCL on GPUs); rank 0 prints the report."""
     from rich.console import Console
 
-    from .parallel.launch import init_from_env
+    from .parallel.launch import join_torchrun
 
     validate(options, "cuda" if torch.cuda.is_available() else "cpu")
-    rank, world = init_from_env()
-    if world != options.cp * options.ep:
-        raise ValueError(f"torchrun started {world} processes; --cp x --ep is {options.cp * options.ep}")
+    rank, world = join_torchrun(options.cp, options.ep)
     try:
         result = demo_rank(rank, world, options)
         results = [None] * world if rank == 0 else None

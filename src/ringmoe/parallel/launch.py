@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from . import watchdog
 
-__all__ = ["spawn", "free_port", "init_from_env", "RankFailed", "JobInterrupted"]
+__all__ = ["spawn", "free_port", "init_from_env", "join_torchrun", "RankFailed", "JobInterrupted"]
 
 
 class RankFailed(RuntimeError):
@@ -363,3 +363,11 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_torchrun(cp: int, ep: int) -> tuple[int, int]:
+    """``init_from_env`` for a cp x ep job: (rank, world size); ValueError unless torchrun started cp * ep processes."""
+    rank, size = init_from_env()
+    if size != cp * ep:
+        raise ValueError(f"torchrun started {size} processes; --cp x --ep is {cp * ep}")
+    return rank, size

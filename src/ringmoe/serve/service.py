@@ -136,11 +136,9 @@ def run_server(options: ServeOptions, launcher: str = "spawn") -> int:
     if launcher == "torchrun":
         import torch.distributed as dist
 
-        from ..parallel.launch import init_from_env
+        from ..parallel.launch import join_torchrun
 
-        rank, size = init_from_env()
-        if size != world:
-            raise ValueError(f"torchrun started {size} processes; --cp x --ep is {world}")
+        rank, size = join_torchrun(options.cp, options.ep)
         try:
             return serve_rank(rank, size, options)
         finally:

@@ -195,14 +195,12 @@ def run_training(options: TrainOptions, console=None, launcher: str = "spawn") -
     """Prepare in this process, train on the local mesh (or, under torchrun, as this rank); rank 0's summary."""
     import multiprocessing as mp
 
-    from ..parallel.launch import init_from_env, spawn
+    from ..parallel.launch import join_torchrun, spawn
 
     validate(options)
     world = options.cp * options.ep
     if launcher == "torchrun":
-        rank, size = init_from_env()
-        if size != world:
-            raise ValueError(f"torchrun started {size} processes; --cp x --ep is {world}")
+        rank, size = join_torchrun(options.cp, options.ep)
         if rank == 0:  # one rank trains the tokenizer; the others read it (the documents are deterministic)
             _prepare(options)
         dist.barrier()
