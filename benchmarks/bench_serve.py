@@ -26,17 +26,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from ringmoe.demo_model import build_demo_checkpoint  # noqa: E402
 from ringmoe.parallel.launch import free_port  # noqa: E402
-from ringmoe.serve.bench import BenchConfig, plot, run_benchmark  # noqa: E402
+from ringmoe.serve.bench import BenchConfig, plot, run_benchmark, wait_healthy  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -56,16 +54,12 @@ def start(kind: str, checkpoint: Path) -> tuple[subprocess.Popen, str, str]:
         model = "demo"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited: {proc.stderr.read().decode()[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, model
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{kind} did not become healthy")
+    try:
+        wait_healthy(url, proc, 180)
+    except RuntimeError:
+        stop(proc)
+        raise
+    return proc, url, model
 
 
 def stop(proc: subprocess.Popen) -> None:

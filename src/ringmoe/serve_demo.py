@@ -43,20 +43,6 @@ def _start_server(checkpoint: Path, cp: int, ep: int, port: int) -> subprocess.P
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ringmoe serve exited: {proc.stderr.read()[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError(f"ringmoe serve did not become healthy in {seconds:.0f} s")
-
-
 def _descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
@@ -78,7 +64,7 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
     from .demo_model import build_demo_checkpoint, stdlib_texts
     from .parallel.launch import free_port
     from .serve import Engine, SamplingParams
-    from .serve.bench import BenchConfig, run_benchmark
+    from .serve.bench import BenchConfig, run_benchmark, wait_healthy
 
     console = Console()
     console.width = max(console.width, 110)
@@ -92,7 +78,7 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
     proc = _start_server(checkpoint, options.cp, options.ep, port)
     ok = True
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(url, proc)
         ranks = _descendants(proc.pid)
         console.print(f"[bold]ringmoe serve[/] on {url}: cp={options.cp} x ep={options.ep}, {world} ranks "
                       f"(pids {ranks[:world]}), up in {time.monotonic() - start:.1f} s")

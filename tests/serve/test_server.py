@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 from ringmoe.parallel.launch import free_port  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
-from ringmoe.serve.bench import BenchConfig, run_benchmark  # noqa: E402
+from ringmoe.serve.bench import BenchConfig, run_benchmark, wait_healthy  # noqa: E402
 
 MODEL = "tiny-moe"
 
@@ -51,17 +51,11 @@ class Server:
             [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
              "--served-model-name", MODEL, "--cp", str(cp), "--ep", str(ep), "--kv-cache-tokens", "4096", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.proc.communicate()[1]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
+        try:
+            wait_healthy(self.url, self.proc, 90)
+        except RuntimeError:
             self.stop()
-            raise RuntimeError("the server did not become healthy in 90 s")
+            raise
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
     def ranks(self) -> list[int]:

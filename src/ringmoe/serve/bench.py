@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["BenchConfig", "run_benchmark", "percentiles"]
+__all__ = ["BenchConfig", "run_benchmark", "percentiles", "wait_healthy"]
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or has had "
          "not but first one their its new after who they have her she two been other when there all during "
@@ -49,6 +49,25 @@ class RequestResult:
     e2e: float = math.nan
     itl: list = field(default_factory=list)
     error: str = ""
+
+
+def wait_healthy(url: str, proc=None, seconds: float = 120.0) -> None:
+    """Poll ``url``/health until it answers 200; RuntimeError if ``proc`` (a Popen) exits first or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            err = err.decode(errors="replace") if isinstance(err, bytes) else err
+            raise RuntimeError(f"the server exited with code {proc.returncode}: {err[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server at {url} did not become healthy in {seconds:.0f} s")
 
 
 def percentiles(values: list[float]) -> dict:
