@@ -47,12 +47,13 @@ def _writable_file(flag: str, path: str) -> None:
 def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo", help="the main job: serve a MoE model on a cp=2 x ep=2 mesh and talk to it with the openai client",
-        description="Builds (once) a demo checkpoint, starts `ringmoe serve` on 4 local ranks, sends a streaming "
+        description="Trains (once, about two minutes, cached) a small MoE model on the standard library's "
+                    "sources, starts `ringmoe serve` on 4 local ranks, sends a streaming "
                     "chat, a long prompt (ring attention prefill) and concurrent completions, prints a per-rank "
                     "table, latencies and an exactness check against one process, then stops the server.")
     demo.add_argument("--cp", type=_positive, default=2, help="context-parallel degree (default 2)")
     demo.add_argument("--ep", type=_positive, default=2, help="expert-parallel degree (default 2)")
-    demo.add_argument("--rebuild", action="store_true", help="rebuild the cached demo checkpoint")
+    demo.add_argument("--retrain", action="store_true", help="train the cached demo model again (about two minutes)")
 
 
 def _add_check(sub) -> None:
@@ -219,6 +220,7 @@ def _add_train(sub) -> None:
     train.add_argument("--eval-every", type=_positive, default=50)
     train.add_argument("--save-every", type=_positive, default=100)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--log-every", type=_positive, default=10, help="print every n-th step (default 10)")
     train.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     train.add_argument("--bf16", action="store_true", help="bfloat16 autocast, float32 master weights")
     train.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
@@ -239,7 +241,8 @@ def _train(args) -> int:
                            ep=args.ep, seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
                            minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
                            eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,
-                           bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
+                           bf16=args.bf16, activation_checkpointing=args.activation_checkpointing,
+                           log_every=args.log_every)
     result = run_training(options, console, args.launcher)
     console.print(f"trained {result['steps']} steps: validation loss {result['val_loss']:.3f} nats "
                   f"(unigram entropy {result['unigram_entropy']:.3f}); transformers checkpoint: {result['hf']}")
@@ -368,7 +371,7 @@ def _run(args) -> int:
     if args.command == "demo":
         from .serve_demo import ServeDemoOptions, run_serve_demo
 
-        return 0 if run_serve_demo(ServeDemoOptions(cp=args.cp, ep=args.ep, rebuild=args.rebuild)) else 1
+        return 0 if run_serve_demo(ServeDemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain)) else 1
     from .demo import DemoOptions, run_demo, run_demo_torchrun
 
     options = DemoOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,

@@ -1,7 +1,8 @@
 """`ringmoe demo` (= `make demo`): serve a MoE model on a cp x ep mesh of local ranks and talk to it as a user.
 
-1. Builds (once, cached) the demo checkpoint: a BPE tokenizer trained on the standard library and
-   the small preset's random weights (``demo_model``).
+1. Trains (once, cached in the user's cache folder; ``--retrain`` trains again) the "demo" preset on
+   the standard library's Python sources with ``ringmoe train`` (about two minutes on 2 cores), and
+   uses its transformers export (``demo_model.trained_demo_checkpoint``).
 2. Starts ``ringmoe serve`` at cp=2 x ep=2 (4 local ranks) on 127.0.0.1 and a free port.
 3. Through the official ``openai`` client: a streaming chat, a long prompt prefilled by ring attention,
    and a burst of concurrent completions (``serve.bench``'s load generator).
@@ -10,12 +11,14 @@
    the server's greedy completions equal one process running the same checkpoint.
 5. Stops the server with SIGTERM (it drains and exits 0) and checks that nothing is left running.
 
-The weights are random until ``ringmoe train`` exists: the text is noise, the machinery is real.
+Two minutes of training on 2 CPU cores buys a model that writes Python-looking text (indentation,
+keywords, ``self.``), not working code: the machinery is what the demo shows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -34,7 +37,7 @@ class ServeDemoOptions:
     long_prompt_tokens: int = 3000
     concurrent: int = 16
     new_tokens: int = 24
-    rebuild: bool = False
+    retrain: bool = False
 
 
 def _start_server(checkpoint: Path, cp: int, ep: int, port: int) -> subprocess.Popen:
@@ -61,7 +64,7 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
     from rich.console import Console
     from rich.table import Table
 
-    from .demo_model import build_demo_checkpoint, stdlib_texts
+    from .demo_model import trained_demo_checkpoint, stdlib_texts
     from .parallel.launch import free_port
     from .serve import Engine, SamplingParams
     from .serve.bench import BenchConfig, run_benchmark, wait_healthy
@@ -69,9 +72,11 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
     console = Console()
     console.width = max(console.width, 110)
     start = time.monotonic()
-    checkpoint = build_demo_checkpoint(rebuild=options.rebuild)
-    console.print(f"[dim]checkpoint: {checkpoint} (small preset, random weights; built in "
-                  f"{time.monotonic() - start:.1f} s or cached)")
+    checkpoint = trained_demo_checkpoint(retrain=options.retrain, console=console)
+    summary = json.loads((checkpoint.parent / "summary.json").read_text())
+    console.print(f"[dim]checkpoint: {checkpoint} (demo preset trained {summary['steps']} steps on the standard "
+                  f"library: validation loss {summary['val_loss']:.2f} nats vs unigram entropy "
+                  f"{summary['unigram_entropy']:.2f}; ready in {time.monotonic() - start:.1f} s)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     world = options.cp * options.ep
@@ -84,13 +89,15 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
                       f"(pids {ranks[:world]}), up in {time.monotonic() - start:.1f} s")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
-        console.print("\n[bold]1. streaming chat[/] (openai client, stream=True)")
+        prompt = "class Stack:\n    def push(self, item):\n"
+        console.print("\n[bold]1. a streaming completion[/] (openai client, stream=True, temperature 0.7; the model "
+                      "saw only Python, so a raw prompt, not the chat template)")
+        console.print(prompt, end="", markup=False, highlight=False, style="dim")
         began = time.perf_counter()
         first = None
-        for chunk in client.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
-                max_tokens=options.new_tokens, temperature=0.7, seed=1, stream=True):
-            delta = chunk.choices[0].delta.content if chunk.choices else None
+        for chunk in client.completions.create(model="demo", prompt=prompt, max_tokens=4 * options.new_tokens,
+                                               temperature=0.7, seed=1, stream=True):
+            delta = chunk.choices[0].text if chunk.choices else None
             if delta:
                 first = first or time.perf_counter() - began
                 console.print(delta, end="", markup=False, highlight=False)

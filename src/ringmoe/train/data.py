@@ -4,7 +4,8 @@
 folder of text files, or a jsonl file with a "text" field.  Documents are split into train and
 validation deterministically (every ``val_every``-th document is held out).
 
-``PackedStream`` concatenates tokenized documents and cuts the stream into sequences of ``seqlen``
+``PackedStream`` concatenates tokenized documents (in a seeded shuffled order, so that consecutive
+steps see the whole corpus rather than one package after another) and cuts the stream into sequences of ``seqlen``
 tokens; a document that crosses a cut continues as a new document in the next sequence.  Each
 sequence carries its int32 ``cu_seqlens`` (document boundaries inside it), so attention never
 crosses a document and positions restart at every document.  The stream is a pure function of the
@@ -85,9 +86,12 @@ def _cuts(lengths: list[int]) -> torch.Tensor:
 class PackedStream:
     """Fixed-length sequences from tokenized documents, document boundaries kept; resumable by position."""
 
-    def __init__(self, docs: list[list[int]], seqlen: int, eos_id: int | None = None):
+    def __init__(self, docs: list[list[int]], seqlen: int, eos_id: int | None = None, shuffle_seed: int | None = 0):
         if seqlen < 2:
             raise ValueError(f"seqlen must be >= 2, got {seqlen}")
+        if shuffle_seed is not None:  # a fixed document order that mixes the corpus (files come sorted by name)
+            order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+            docs = [docs[i] for i in order]
         tokens, starts = [], []
         for doc in docs:
             if not doc:

@@ -52,6 +52,7 @@ class TrainOptions:
     activation_checkpointing: bool = False
     peak_flops: float = 1.6e11          # this 2-core CPU's measured sgemm peak; MFU is relative to it
     max_bytes: int = 4_000_000
+    log_every: int = 1                  # print every n-th step (and every evaluation)
 
     @property
     def rows(self) -> int:
@@ -68,7 +69,7 @@ def _config(options: TrainOptions):
 def validate(options: TrainOptions) -> None:
     from ..parallel.layout import LAYOUTS
 
-    for name in ("cp", "ep", "seqlen", "tokens_per_step", "steps", "eval_every", "save_every", "warmup"):
+    for name in ("cp", "ep", "seqlen", "tokens_per_step", "steps", "eval_every", "save_every", "warmup", "log_every"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
     if options.tokens_per_step % options.seqlen:
@@ -220,8 +221,9 @@ def run_training(options: TrainOptions, console=None, launcher: str = "spawn") -
                 row = updates.get_nowait()
             except queue.Empty:
                 return
-            if console is not None:
-                line = (f"step {row['step']:5d}  loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s  "
+            if console is not None and (row["step"] % options.log_every == 0 or "val_loss" in row
+                                        or row["step"] == 1):
+                line = (f"step {row['step']:5d}/{options.steps}  loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s  "
                         f"MFU {row['mfu']:.1%}  router imbalance {row['router_imbalance']:.2f}")
                 if "val_loss" in row:
                     line += f"  val {row['val_loss']:.3f}"
