@@ -17,7 +17,7 @@ load (DeepSeek-V3's auxiliary-loss-free balancing).
 
 Gradients: ``reduce_gradients`` sums replicas; the global norm counts every parameter once (replicated
 ones on any rank, experts summed over the ep group); clipping scales every gradient by
-min(1, clip / norm).  AdamW with linear warmup and cosine decay to ``min_lr_ratio``.
+min(1, clip / norm).  The cross entropy is fused with the LM head (``fused_loss``).  AdamW with linear warmup and cosine decay to ``min_lr_ratio``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ..model.transformer import MoETransformer
 from ..moe.router import update_correction_bias
 from ..parallel.varlen import shard_varlen
 from .data import IGNORE, PackedStream, next_token_labels
+from .fused_loss import linear_cross_entropy
 
 __all__ = ["TrainConfig", "Trainer"]
 
@@ -156,9 +157,7 @@ class Trainer:
         device = model.embed_tokens.weight.device.type
         with torch.autocast(device, dtype=torch.bfloat16, enabled=config.bf16):
             hidden = model.hidden_states(ids, positions.to(ids.device), model.packed_attend(cu, longest))
-            logits = model.lm_head(hidden[0])
-        ce_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels,
-                                 ignore_index=IGNORE, reduction="sum")
+            ce_sum = linear_cross_entropy(hidden[0], model.lm_head.weight, labels)  # no logits kept
         lm = ce_sum / valid
         aux, z, loads = self._balance_losses(total_tokens)
         loss = lm + config.z_coef * z + (config.aux_coef * aux if config.balance == "aux" else 0.0)
