@@ -9,6 +9,7 @@ import torch
 
 from .kernels import attention_with_kernel, check_backend, resolve_kernel
 from .mask import AttentionSpec, default_scale
+from .sinks import check_sinks
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "make_spec", "check_qkv"]
 
@@ -89,6 +90,7 @@ def flash_attn_func(
     softcap: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention, tiled; flash-attn's ``flash_attn_func`` semantics.
 
@@ -100,11 +102,14 @@ def flash_attn_func(
     return_lse=True also lse (batch, heads, seqlen_q): float32 (float64 for
     float64 inputs), natural log, -inf for rows that see no key (their out is 0).
     backend: "auto" | "blockwise" | "triton" | "native" | "reference".
+    sinks: optional (heads,) float tensor, gpt-oss's attention sinks: a logit per head that joins the
+    softmax's denominator only (see ``sinks.py``); differentiable; the returned lse includes it.
     """
     check_qkv(q, k, v)
+    check_sinks(sinks, q.shape[2], q)
     spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, softcap)
     kernel = resolve_kernel(backend, q, k, spec)
-    out, lse = attention_with_kernel(q, k, v, kernel, spec)
+    out, lse = attention_with_kernel(q, k, v, kernel, spec, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -134,6 +139,7 @@ def flash_attn_varlen_func(
     softcap: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over a packed batch of variable-length sequences (flash-attn's varlen API).
 
@@ -141,9 +147,10 @@ def flash_attn_varlen_func(
     cu_seqlens_q/k: int32 (batch + 1,) prefix sums; sequence b uses rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] of q against its own keys, masks aligned
     bottom-right per sequence.  Returns out (total_q, heads, head_dim) and with
-    return_lse=True lse (heads, total_q).
+    return_lse=True lse (heads, total_q).  sinks: as in ``flash_attn_func``.
     """
     check_qkv(q, k, v, varlen=True)
+    check_sinks(sinks, q.shape[1], q)
     bounds_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     bounds_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if len(bounds_q) != len(bounds_k):
@@ -154,7 +161,7 @@ def flash_attn_varlen_func(
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
         qs, ks, vs = q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0)
         kernel = resolve_kernel(backend, qs, ks, spec)
-        out, lse = attention_with_kernel(qs, ks, vs, kernel, spec)
+        out, lse = attention_with_kernel(qs, ks, vs, kernel, spec, sinks)
         outs.append(out[0])
         lses.append(lse[0])
     out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=-1)

@@ -18,6 +18,7 @@ from .blockwise import blockwise_backward, blockwise_forward, compute_dtype
 from .mask import AttentionSpec
 from .native import native_backward, native_forward, native_unsupported
 from .reference import attention_reference
+from .sinks import add_sinks, sinks_grad
 
 __all__ = ["BlockKernel", "BACKENDS", "check_backend", "resolve_kernel", "AttentionFunction", "attention_with_kernel"]
 
@@ -45,15 +46,23 @@ def _reference_forward(q, k, v, spec):
 
 
 def _reference_backward(dout, q, k, v, out, lse, spec, dlse=None):
-    """Naive backward: autograd through the materialised reference (recomputed)."""
+    """Naive backward: autograd through the materialised reference (recomputed) of this block.
+
+    ``out``/``lse`` are those of the whole attention (other blocks, a sink): with w = exp(l - lse) the
+    block's weight in it, out = sum_b w_b o_b and lse = log sum_b exp(l_b) give
+    d o = w dout and d l = w (dout . (o - out) + dlse).
+    """
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         o, l = attention_reference(*leaves, spec, compute_dtype(q.dtype))
-        outputs, grads = [o], [dout.to(o.dtype)]
+        acc = o.dtype
+        weight = torch.exp(l.detach() - lse.to(acc))                       # (B, H, S); 0 where l = -inf
+        weight = torch.where(torch.isinf(l.detach()), torch.zeros_like(weight), weight)
+        w = weight.transpose(1, 2).unsqueeze(-1)
+        d_l = (dout.to(acc) * (o.detach() - out.to(acc))).sum(-1).transpose(1, 2)
         if dlse is not None:
-            outputs.append(l)
-            grads.append(torch.where(torch.isinf(l), torch.zeros_like(l), dlse.to(l.dtype)))
-        grads = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)  # no keys: k, v unused
+            d_l = d_l + torch.where(torch.isinf(lse), torch.zeros_like(d_l), dlse.to(acc))
+        grads = torch.autograd.grad([o, l], leaves, [w * dout.to(acc), weight * d_l], allow_unused=True)
         return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
 
 
@@ -113,12 +122,18 @@ def resolve_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, spec: Attenti
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Autograd for any block kernel: saves q, k, v, out, lse (O(N)), recomputes tiles in backward."""
+    """Autograd for any block kernel: saves q, k, v, out, lse (O(N)), recomputes tiles in backward.
+
+    With ``sinks`` (heads,) the sink joins the normaliser after the kernel (``sinks.add_sinks``); the
+    kernel's backward then runs from the final (out, lse) and the sink gets its own gradient.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: BlockKernel, spec: AttentionSpec):
+    def forward(ctx, q, k, v, sinks, kernel: BlockKernel, spec: AttentionSpec):
         out, lse = kernel.forward(q, k, v, spec)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.kernel, ctx.spec = kernel, spec
         ctx.set_materialize_grads(False)
         result = out.to(q.dtype)
@@ -128,16 +143,21 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.spec, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsinks = sinks_grad(dout, out, lse, sinks, dlse) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
 
 
-def attention_with_kernel(q, k, v, kernel: BlockKernel, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, lse) through ``kernel`` with autograd when any input requires grad."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return AttentionFunction.apply(q, k, v, kernel, spec)
+def attention_with_kernel(q, k, v, kernel: BlockKernel, spec: AttentionSpec,
+                          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse) through ``kernel`` (plus ``sinks``), with autograd when any input requires grad."""
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return AttentionFunction.apply(q, k, v, sinks, kernel, spec)
     out, lse = kernel.forward(q, k, v, spec)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype).contiguous(), lse

@@ -20,13 +20,17 @@ def attention_reference(
     v: torch.Tensor,
     spec: AttentionSpec,
     compute_dtype: torch.dtype = torch.float64,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive attention.
 
     q (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, kv_heads, head_dim).
     Returns out (batch, seqlen_q, heads, head_dim) and lse (batch, heads, seqlen_q),
     both in ``compute_dtype``.  Rows that see no key give out 0 and lse -inf.
+    sinks (heads,): one more score column per head, always visible, whose value is zero.
     """
+    if sinks is not None:
+        return _with_sink_column(q, k, v, spec, compute_dtype, sinks)
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     if seqlen_k == 0:  # no keys at all: every row sees none
@@ -55,3 +59,25 @@ def attention_reference(
     lse = torch.where(seen, row_max + torch.log(total_safe), torch.full_like(total, float("-inf")))
     out = torch.matmul(probs, vh).transpose(1, 2)
     return out, lse.squeeze(-1)
+
+
+def _with_sink_column(q, k, v, spec, compute_dtype, sinks):
+    """The sink as a real key: a score column of sinks[h] and a zero value row, then plain softmax."""
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    qh = q.to(compute_dtype).transpose(1, 2)
+    kh = k.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * spec.softmax_scale
+    if spec.softcap > 0:
+        scores = spec.softcap * torch.tanh(scores / spec.softcap)
+    if spec.is_masked:
+        visible = spec.tile_mask(0, seqlen_q, 0, seqlen_k, seqlen_q, seqlen_k, q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.to(compute_dtype)[None, :, None, None].expand(batch, heads, seqlen_q, 1)
+    scores = torch.cat([scores, sink], dim=-1)
+    values = torch.cat([vh, torch.zeros_like(vh[:, :, :1])], dim=2)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(1, 2)
+    return out, lse

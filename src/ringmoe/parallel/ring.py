@@ -30,10 +30,11 @@ from ..attention.api import check_qkv, make_spec
 from ..attention.kernels import check_backend, resolve_kernel
 from ..attention.mask import AttentionSpec
 from ..attention.merge import merge_attention
+from ..attention.sinks import add_sinks, check_sinks, sinks_grad
 from .layout import Segment, check_local_length, segments
 from .watchdog import activity
 
-__all__ = ["ring_flash_attn_func", "RingStats", "RingComm", "plan_block"]
+__all__ = ["ring_flash_attn_func", "RingStats", "RingComm", "plan_block", "run_ring"]
 
 _KV_TAG, _DKV_TAG = 11, 12
 
@@ -71,45 +72,77 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)
 
-    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int, hops: int = 1) -> list:
+        """Start sending ``send`` ``hops`` ranks ahead and receiving ``recv`` from ``hops`` ranks behind."""
+        to = self.next if hops == 1 else self.global_rank(self.rank + hops)
+        frm = self.prev if hops == 1 else self.global_rank(self.rank - hops)
         return [
-            dist.isend(send, self.next, group=self.group, tag=tag),
-            dist.irecv(recv, self.prev, group=self.group, tag=tag),
+            dist.isend(send, to, group=self.group, tag=tag),
+            dist.irecv(recv, frm, group=self.group, tag=tag),
         ]
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank % self.world_size)
 
 
 @dataclass(frozen=True)
 class BlockTask:
-    """Local query rows [q0, q1) against local key rows [k0, k1); offset None = no mask."""
+    """Local query rows [q0, q1) against local key rows [k0, k1).
+
+    Local key j is visible to local query i when i + lo <= j <= i + hi (None: that side unbounded; both
+    None: no mask at all).
+    """
 
     q0: int
     q1: int
     k0: int
     k1: int
-    offset: int | None
+    lo: int | None = None
+    hi: int | None = None
+
+    @property
+    def masked(self) -> bool:
+        return self.lo is not None or self.hi is not None
 
 
-def plan_block(q_segments: list[Segment], k_segments: list[Segment], causal: bool) -> list[BlockTask]:
-    """The kernel calls that attend a rank's queries to one K/V block.
+def _floor_div(a: int, b: int) -> int:
+    return a // b
 
-    Under a causal mask, query i of segment (a, s) sits at a + s i and key j of
-    (b, s) at b + s j, so j is visible iff j <= i + floor((a - b) / s).  Pairs
-    that are fully visible and adjacent in local storage are merged into one call.
+
+def plan_block(q_segments: list[Segment], k_segments: list[Segment], causal: bool,
+               window: tuple[int, int] = (-1, -1)) -> list[BlockTask]:
+    """The kernel calls that attend a rank's queries to one K/V block; pairs that see nothing are skipped.
+
+    Query i of segment (a, s) sits at global position a + s i, key j of (b, s) at b + s j.  Key position
+    p_k is visible to query position p_q when p_q - left <= p_k <= p_q + right (flash-attn's window;
+    causal means right = 0; -1 = unbounded), i.e. when
+
+        i + ceil((a - b - left) / s) <= j <= i + floor((a - b + right) / s).
+
+    A pair none of whose rows sees a key is dropped (no compute); a pair whose rows all see all keys is
+    unmasked.  Unmasked pairs adjacent in local storage are merged into one call.
     """
+    left = None if window[0] < 0 else window[0]
+    right = 0 if causal else (None if window[1] < 0 else window[1])
     tasks = []
     for qs in q_segments:
         for ks in k_segments:
-            offset = None
-            if causal:
-                if qs.stride != ks.stride:
-                    raise ValueError("query and key segments must share a stride")
-                offset = (qs.start - ks.start) // qs.stride
-                if qs.length - 1 + offset < 0:
-                    continue  # even the last query precedes the first key
-                if offset >= ks.length - 1:
-                    offset = None  # every key precedes every query
-            tasks.append(BlockTask(qs.local_start, qs.local_stop, ks.local_start, ks.local_stop, offset))
+            if qs.length == 0 or ks.length == 0:
+                continue
+            if qs.stride != ks.stride:
+                raise ValueError("query and key segments must share a stride")
+            a_b, stride = qs.start - ks.start, qs.stride
+            hi = None if right is None else _floor_div(a_b + right, stride)
+            lo = None if left is None else -_floor_div(-(a_b - left), stride)
+            if hi is not None and (qs.length - 1 + hi < 0 or (lo is not None and lo > hi)):
+                continue  # even the last query precedes the first key, or the band is empty
+            if lo is not None and lo > ks.length - 1:
+                continue  # even the first query is past the last key by more than the window
+            if hi is not None and hi >= ks.length - 1:
+                hi = None  # every query sees up to the last key
+            if lo is not None and qs.length - 1 + lo <= 0:
+                lo = None  # every query sees down to the first key
+            tasks.append(BlockTask(qs.local_start, qs.local_stop, ks.local_start, ks.local_stop, lo, hi))
     return _coalesce(_coalesce(tasks, by_query=True), by_query=False)
 
 
@@ -118,21 +151,25 @@ def _coalesce(tasks: list[BlockTask], by_query: bool) -> list[BlockTask]:
     merged: list[BlockTask] = []
     for t in tasks:
         last = merged[-1] if merged else None
-        if last is not None and last.offset is None and t.offset is None:
+        if last is not None and not last.masked and not t.masked:
             if by_query and (last.q0, last.q1) == (t.q0, t.q1) and last.k1 == t.k0:
-                merged[-1] = BlockTask(t.q0, t.q1, last.k0, t.k1, None)
+                merged[-1] = BlockTask(t.q0, t.q1, last.k0, t.k1)
                 continue
             if not by_query and (last.k0, last.k1) == (t.k0, t.k1) and last.q1 == t.q0:
-                merged[-1] = BlockTask(last.q0, t.q1, t.k0, t.k1, None)
+                merged[-1] = BlockTask(last.q0, t.q1, t.k0, t.k1)
                 continue
         merged.append(t)
     return merged
 
 
 def _task_spec(spec: AttentionSpec, task: BlockTask) -> AttentionSpec:
-    if task.offset is None:
+    """The kernel's mask for a task: the band [i + lo, i + hi] as (offset, window) in AttentionSpec terms."""
+    if not task.masked:
         return AttentionSpec(spec.softmax_scale, softcap=spec.softcap)
-    return AttentionSpec(spec.softmax_scale, causal=True, softcap=spec.softcap, offset=task.offset)
+    if task.hi is not None:  # right edge at offset hi, the band reaching hi - lo to the left
+        left = -1 if task.lo is None else task.hi - task.lo
+        return AttentionSpec(spec.softmax_scale, causal=True, window_left=left, softcap=spec.softcap, offset=task.hi)
+    return AttentionSpec(spec.softmax_scale, window_left=0, softcap=spec.softcap, offset=task.lo)
 
 
 class RingPlan:
@@ -141,21 +178,29 @@ class RingPlan:
 
     ``segments_of(rank)`` gives a rank's tokens as groups of Segments: one group per sequence (one for a
     dense batch; one per document when documents are packed), and a query meets only keys of its group.
+    ``steps``: how many ring steps any rank needs (fewer than the world size when a window keeps every
+    query within the last few blocks, as the contiguous layout allows): the ring stops there, blocks
+    beyond it are neither computed nor sent.
     """
 
-    def __init__(self, lengths: list[int], segments_of, causal: bool):
-        self.lengths, self.segments_of, self.causal = lengths, segments_of, causal
+    def __init__(self, lengths: list[int], segments_of, causal: bool, window: tuple[int, int] = (-1, -1)):
+        self.lengths, self.segments_of, self.causal, self.window = lengths, segments_of, causal, window
+        world = len(lengths)
+        self.steps = world
+        if window != (-1, -1):
+            needed = [s for s in range(world) for r in range(world) if self.tasks(r, (r - s) % world)]
+            self.steps = max(needed, default=0) + 1
 
     def tasks(self, rank: int, src: int) -> list[BlockTask]:
         tasks = []
         for q_group, k_group in zip(self.segments_of(rank), self.segments_of(src)):
-            tasks += plan_block(q_group, k_group, self.causal)
+            tasks += plan_block(q_group, k_group, self.causal, self.window)
         return tasks
 
 
-def dense_plan(local_len: int, world: int, layout: str, causal: bool) -> RingPlan:
+def dense_plan(local_len: int, world: int, layout: str, causal: bool, window: tuple[int, int] = (-1, -1)) -> RingPlan:
     """Every rank holds ``local_len`` tokens of each sequence of the batch under ``layout``."""
-    return RingPlan([local_len] * world, lambda rank: [segments(local_len, world, rank, layout)], causal)
+    return RingPlan([local_len] * world, lambda rank: [segments(local_len, world, rank, layout)], causal, window)
 
 
 class _Ring:
@@ -188,7 +233,7 @@ class _Ring:
 
     def prefetch(self, kv, step):
         """Start passing ``kv`` on and receiving the next block, unless this is the last step."""
-        if step == self.comm.world_size - 1:
+        if step == self.plan.steps - 1:
             return None, []
         incoming = self.block_like(kv, step + 1)
         return incoming, self.comm.send_recv(kv, incoming, _KV_TAG)
@@ -200,9 +245,9 @@ class _Ring:
         out = torch.zeros(batch, local_len, heads, head_dim, dtype=acc_dtype, device=q.device)
         lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        world = self.comm.world_size
-        for step in range(world):
-            with activity(f"ring forward step {step + 1}/{world}"):
+        steps = self.plan.steps
+        for step in range(steps):
+            with activity(f"ring forward step {step + 1}/{steps}"):
                 kv = self.forward_step(step, q, kv, out, lse)
         return out, lse
 
@@ -227,13 +272,15 @@ class _Ring:
 
     # -- backward --------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, dlse=None):
+        """dq stays home; each block's dkv buffer follows it one step behind and, after the block's last
+        step, goes straight back to the block's owner (``steps - 1`` hops back; one hop ahead for a full lap)."""
         acc_dtype = out.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        world = self.comm.world_size
+        steps = self.plan.steps
         dkv_incoming, dkv_pending = None, []
         send_buffers = []  # keep sent tensors alive until their isend completes
-        for step in range(world):
+        for step in range(steps):
             start = time.perf_counter()
             kv_next, kv_pending = self.prefetch(kv, step)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
@@ -254,24 +301,28 @@ class _Ring:
                 work.wait()
             if dkv_incoming is not None:
                 dkv += dkv_incoming
-            # next comes the block this rank holds at step + 1 (after the last step: its own, home)
-            dkv_incoming = self.block_like(kv, step + 1, acc_dtype) if world > 1 else None
-            dkv_pending = self.comm.send_recv(dkv, dkv_incoming, _DKV_TAG) if world > 1 else []
-            send_buffers.append(dkv)
+            if steps > 1:
+                # next comes the block this rank holds at step + 1, or after the last step its own, home
+                last = step == steps - 1
+                dkv_incoming = (self.block_like(kv, 0, acc_dtype) if last
+                                else self.block_like(kv, step + 1, acc_dtype))
+                hops = (1 - steps) % self.comm.world_size if last else 1
+                dkv_pending = self.comm.send_recv(dkv, dkv_incoming, _DKV_TAG, hops)
+                send_buffers.append(dkv)
             for work in kv_pending:
                 work.wait()
             self.record("backward", step, computed - start, time.perf_counter() - computed,
                         (kv.numel() * kv.element_size() if kv_pending else 0)
-                        + (dkv.numel() * dkv.element_size() if world > 1 else 0))
+                        + (dkv.numel() * dkv.element_size() if steps > 1 else 0))
             if kv_next is not None:
                 kv = kv_next
-        if world > 1:
+        if steps > 1:
             wait_start = time.perf_counter()
             for work in dkv_pending:
                 work.wait()
             if self.stats is not None and self.stats.backward:
                 self.stats.backward[-1]["wait_s"] += time.perf_counter() - wait_start
-            dkv = dkv_incoming  # our own block's gradients, home after a full lap
+            dkv = dkv_incoming  # our own block's gradients, home
         return dq, dkv[0], dkv[1]
 
 
@@ -297,21 +348,43 @@ def check_same_shapes(group, q: torch.Tensor, k: torch.Tensor) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring):
+    def forward(ctx, q, k, v, sinks, ring: _Ring):
         out, lse = ring.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # once, after every block is merged
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring = ring
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
         with activity("ring attention backward"):
             dq, dk, dv = ctx.ring.backward(dout, q, k, v, out, lse, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        # this rank's rows' share of the sinks' gradient (the replicated parameter's gradients are summed later)
+        dsinks = sinks_grad(dout, out, lse, sinks, dlse) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None
+
+
+def run_ring(q, k, v, ring: _Ring, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse) of the ring, plus the sinks; with autograd when an input requires grad."""
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return _RingAttention.apply(q, k, v, sinks, ring)
+    out, lse = ring.forward(q, k, v)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    return out.to(q.dtype), lse
+
+
+def check_window_backend(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> None:
+    """Before any transfer: an explicitly chosen kernel must support the masks the blocks will use."""
+    if backend != "auto" and spec.window_left >= 0:
+        probe = AttentionSpec(spec.softmax_scale, causal=True, window_left=spec.window_left, softcap=spec.softcap)
+        resolve_kernel(backend, q, k, probe)
 
 
 def ring_flash_attn_func(
@@ -326,6 +399,8 @@ def ring_flash_attn_func(
     backend: str = "auto",
     softcap: float = 0.0,
     stats: RingStats | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
@@ -335,6 +410,10 @@ def ring_flash_attn_func(
     (and lse (batch, heads, local_seqlen) with return_lse=True), equal to
     single-device attention of the full sequence sharded the same way.
     backend picks the block kernel ("auto", "native", "blockwise", ...).
+    window_size: flash-attn's (left, right) sliding window in global positions (-1 = unbounded; causal
+    sets right = 0): blocks wholly outside it are not computed, and with the contiguous layout the ring
+    stops after the last block any rank needs (no transfer beyond it).
+    sinks: optional (heads,) attention-sink logits (gpt-oss), added once after the ring's merge.
     stats: a RingStats to fill with per-step compute, wait and bytes.
     Raises ValueError on bad input before any communication.
     """
@@ -343,14 +422,12 @@ def ring_flash_attn_func(
         raise ValueError(f"q and k must hold the same tokens: local seqlen {q.shape[1]} vs {k.shape[1]}")
     check_local_length(q.shape[1], layout)
     check_backend(backend)
-    spec = make_spec(q.shape[-1], softmax_scale, causal, (-1, -1), softcap)
+    check_sinks(sinks, q.shape[2], q)
+    spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, softcap)
+    check_window_backend(backend, q, k, spec)
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs an initialized torch.distributed process group")
     check_same_shapes(group, q, k)
-    ring = _Ring(group, dense_plan(q.shape[1], dist.get_world_size(group), layout, causal), spec, backend, stats)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        out, lse = _RingAttention.apply(q, k, v, ring)
-    else:
-        out, lse = ring.forward(q, k, v)
-        out = out.to(q.dtype)
+    plan = dense_plan(q.shape[1], dist.get_world_size(group), layout, causal, tuple(window_size))
+    out, lse = run_ring(q, k, v, _Ring(group, plan, spec, backend, stats), sinks)
     return (out, lse) if return_lse else out

@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from ..attention.api import _check_cu_seqlens, check_qkv, make_spec
 from ..attention.kernels import check_backend
+from ..attention.sinks import check_sinks
 from .layout import LAYOUTS, Segment
-from .ring import RingPlan, RingStats, _Ring, _RingAttention
+from .ring import RingPlan, RingStats, _Ring, check_window_backend, run_ring
 from .watchdog import activity
 
 __all__ = ["varlen_segments", "varlen_positions", "shard_varlen", "unshard_varlen", "ring_flash_attn_varlen_func"]
@@ -122,13 +123,15 @@ def _check_same_documents(group, bounds: list[int], q: torch.Tensor) -> None:
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                 max_seqlen: int, group: dist.ProcessGroup | None = None, causal: bool = True,
                                 layout: str = "zigzag", softmax_scale: float | None = None, return_lse: bool = False,
-                                backend: str = "auto", stats: RingStats | None = None):
+                                backend: str = "auto", stats: RingStats | None = None,
+                                window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None):
     """Exact attention within each packed document, this rank's rows against the whole ring.
 
     q (local_tokens, heads, head_dim), k/v (local_tokens, kv_heads, head_dim): this rank's rows from
     ``shard_varlen``; cu_seqlens: the *global* int32 (documents + 1,) prefix sums, the same on every rank.
     Returns out (local_tokens, heads, head_dim) (and lse (heads, local_tokens)), equal to
     ``shard_varlen(flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal))``.
+    window_size and sinks: as in ``ring_flash_attn_func`` (the window counts positions inside a document).
     Raises ValueError before any transfer when the input does not fit the documents.
     """
     check_qkv(q, k, v, varlen=True)
@@ -141,7 +144,9 @@ def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check_backend(backend)
-    spec = make_spec(q.shape[-1], softmax_scale, causal, (-1, -1), 0.0)
+    check_sinks(sinks, q.shape[1], q)
+    spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, 0.0)
+    check_window_backend(backend, q[None], k[None], spec)
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_varlen_func needs an initialized torch.distributed process group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -150,12 +155,7 @@ def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError(f"rank {rank} holds {lengths[rank]} rows of these documents under layout={layout!r}, "
                          f"but q has {q.shape[0]} (use shard_varlen)")
     _check_same_documents(group, bounds, q)
-    plan = RingPlan(lengths, lambda r: varlen_segments(bounds, world, r, layout), causal)
-    ring = _Ring(group, plan, spec, backend, stats)
+    plan = RingPlan(lengths, lambda r: varlen_segments(bounds, world, r, layout), causal, tuple(window_size))
     with activity("ring varlen attention"):
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            out, lse = _RingAttention.apply(q[None], k[None], v[None], ring)
-        else:
-            out, lse = ring.forward(q[None], k[None], v[None])
-            out = out.to(q.dtype)
+        out, lse = run_ring(q[None], k[None], v[None], _Ring(group, plan, spec, backend, stats), sinks)
     return (out[0], lse[0]) if return_lse else out[0]
