@@ -68,13 +68,15 @@ def test_simulate_with_a_calibrated_profile_of_this_machine(tmp_path, capsys):
 
 
 def test_serving_demo_runs_end_to_end(tmp_path, monkeypatch, capsys):
-    """`make demo`: checkpoint built into the cache, 4-rank server, openai client, exactness, clean stop."""
+    """`make demo`: the model trained into the cache (a short run here), 4-rank server, openai client, exactness,
+    clean stop."""
     pytest.importorskip("openai")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["demo"]) == 0
+    assert main(["demo", "--train-steps", "20"]) == 0
     printed = capsys.readouterr().out
     assert "cp=2 x ep=2, 4 ranks" in printed
     assert "16/16 answered, 0 errors" in printed
     assert "equal one process for 4 of 4 prompts: PASS" in printed
     assert "exit code 0, processes left: 0" in printed
-    assert (tmp_path / "ringmoe" / "demo-small-seed0" / ".complete").is_file()
+    assert (tmp_path / "ringmoe" / "demo-trained-20-steps" / ".complete").is_file()
+    assert "validation loss" in printed

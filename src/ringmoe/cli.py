@@ -54,6 +54,9 @@ def _add_demo(sub) -> None:
     demo.add_argument("--cp", type=_positive, default=2, help="context-parallel degree (default 2)")
     demo.add_argument("--ep", type=_positive, default=2, help="expert-parallel degree (default 2)")
     demo.add_argument("--retrain", action="store_true", help="train the cached demo model again (about two minutes)")
+    demo.add_argument("--train-steps", type=_positive, default=500,
+                      help="optimizer steps of the demo model's training (default 500, about two minutes on 2 cores; "
+                           "a different count trains and caches a model of its own)")
 
 
 def _add_check(sub) -> None:
@@ -371,7 +374,7 @@ def _run(args) -> int:
     if args.command == "demo":
         from .serve_demo import ServeDemoOptions, run_serve_demo
 
-        return 0 if run_serve_demo(ServeDemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain)) else 1
+        return 0 if run_serve_demo(ServeDemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain, train_steps=args.train_steps)) else 1
     from .demo import DemoOptions, run_demo, run_demo_torchrun
 
     options = DemoOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,

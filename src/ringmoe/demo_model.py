@@ -118,6 +118,7 @@ def trained_demo_checkpoint(folder: str | Path | None = None, retrain: bool = Fa
         return folder / "hf"
     building = folder.with_name(folder.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
+    building.parent.mkdir(parents=True, exist_ok=True)
     result = run_training(TrainOptions(out=str(building), **(training or DEMO_TRAINING)), console)
     result["hf"] = str(folder / "hf")  # where it lives once renamed
     (building / "summary.json").write_text(json.dumps(result, indent=2))

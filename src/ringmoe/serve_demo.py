@@ -38,6 +38,7 @@ class ServeDemoOptions:
     concurrent: int = 16
     new_tokens: int = 24
     retrain: bool = False
+    train_steps: int = 500
 
 
 def _start_server(checkpoint: Path, cp: int, ep: int, port: int) -> subprocess.Popen:
@@ -64,7 +65,7 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
     from rich.console import Console
     from rich.table import Table
 
-    from .demo_model import trained_demo_checkpoint, stdlib_texts
+    from .demo_model import DEMO_TRAINING, default_cache, stdlib_texts, trained_demo_checkpoint
     from .parallel.launch import free_port
     from .serve import Engine, SamplingParams
     from .serve.bench import BenchConfig, run_benchmark, wait_healthy
@@ -72,7 +73,10 @@ def run_serve_demo(options: ServeDemoOptions) -> bool:
     console = Console()
     console.width = max(console.width, 110)
     start = time.monotonic()
-    checkpoint = trained_demo_checkpoint(retrain=options.retrain, console=console)
+    training = {**DEMO_TRAINING, "steps": options.train_steps}
+    folder = None if options.train_steps == DEMO_TRAINING["steps"] else \
+        default_cache() / f"demo-trained-{options.train_steps}-steps"
+    checkpoint = trained_demo_checkpoint(folder, retrain=options.retrain, console=console, training=training)
     summary = json.loads((checkpoint.parent / "summary.json").read_text())
     console.print(f"[dim]checkpoint: {checkpoint} (demo preset trained {summary['steps']} steps on the standard "
                   f"library: validation loss {summary['val_loss']:.2f} nats vs unigram entropy "

@@ -101,9 +101,12 @@ def test_config_from_hf_rejects_what_is_not_implemented():
     base = dict(model_type="mixtral", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                 num_experts_per_tok=1, intermediate_size=4, num_local_experts=2)
     assert config_from_hf(base).head_dim == 4
-    with pytest.raises(ValueError, match="sliding-window"):
-        config_from_hf({**base, "sliding_window": 4096})
-    with pytest.raises(ValueError, match="RoPE"):
-        config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    assert config_from_hf({**base, "sliding_window": 4096}).window(0) == (4095, 0)
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic'"):
+        config_from_hf({**base, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}})
+    with pytest.raises(ValueError, match="needs a positive original_max_position_embeddings"):
+        config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(ValueError, match="clip_qkv"):
+        config_from_hf({**base, "model_type": "olmoe", "num_experts": 2, "clip_qkv": 8.0})
     with pytest.raises(ValueError, match="model_type"):
         config_from_hf({**base, "model_type": "llama"})

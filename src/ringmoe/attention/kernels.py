@@ -62,7 +62,8 @@ def _reference_backward(dout, q, k, v, out, lse, spec, dlse=None):
         d_l = (dout.to(acc) * (o.detach() - out.to(acc))).sum(-1).transpose(1, 2)
         if dlse is not None:
             d_l = d_l + torch.where(torch.isinf(lse), torch.zeros_like(d_l), dlse.to(acc))
-        grads = torch.autograd.grad([o, l], leaves, [w * dout.to(acc), weight * d_l], allow_unused=True)
+        pairs = [(t, g) for t, g in ((o, w * dout.to(acc)), (l, weight * d_l)) if t.requires_grad]
+        grads = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
         return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
 
 

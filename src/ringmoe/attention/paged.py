@@ -20,7 +20,8 @@ __all__ = ["paged_attention", "invariant_causal_attention"]
 KEY_TILE = 128
 
 
-def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int = 16) -> torch.Tensor:
+def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int = 16,
+                               window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention whose every query row is computed the same way whatever the other rows are.
 
     q (n, heads, D): the last n positions of a sequence whose keys are k, v (ctx, kv_heads, D).
@@ -29,7 +30,10 @@ def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     online softmax runs over the key tiles in order.  A row's result so depends only on its own query
     and the keys it sees, not on how many queries share the call or where the chunk starts: key
     tiles past a row's position are masked whole and add exact zeros (the running max is already
-    finite from key 0, so the rescale factor is exp(0) = 1).
+    finite from key 0, so the rescale factor is exp(0) = 1).  With a sliding window (``window_left``:
+    a row sees keys down to its position - window_left) the tiles before a row's window leave its
+    running max at -inf and its sums at exact zeros, so the same holds.  ``sinks`` (heads,) join the
+    normaliser at the end.
     """
     n, heads, dim = q.shape
     ctx, kv_heads = k.shape[0], k.shape[1]
@@ -54,32 +58,41 @@ def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         key_pos = k0 + torch.arange(KEY_TILE, device=q.device)
         s = torch.matmul(queries[t0:], keys[..., k0:k0 + KEY_TILE]) * scale            # (tiles - t0, H, rows, K)
         visible = (key_pos <= query_pos[t0:]) & (key_pos < ctx)
+        if window_left >= 0:
+            visible &= key_pos >= query_pos[t0:] - window_left
         s = s.masked_fill(~visible, float("-inf"))
         new_m = torch.maximum(m[t0:], s.amax(-1, keepdim=True))
+        new_m = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)  # rows that saw no key yet
         alpha = torch.exp(m[t0:] - new_m)
         p = torch.exp(s - new_m)
         total[t0:] = total[t0:] * alpha + p.sum(-1, keepdim=True)
         out[t0:] = out[t0:] * alpha + torch.matmul(p, values[:, :, k0:k0 + KEY_TILE])
         m[t0:] = new_m
+    if sinks is not None:  # the sink's exp(s - m) joins the denominator only
+        total = total + torch.exp(sinks.to(acc)[None, :, None, None] - m)
     out = (out / total).transpose(1, 2).reshape(tiles * rows, heads, dim)
     return out[:n].to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: list[int],
                     cache_seqlens: list[int], block_tables: list[list[int]], backend: str = "auto",
-                    deterministic: bool | list[bool] = False) -> torch.Tensor:
+                    deterministic: bool | list[bool] = False, window_size: tuple[int, int] = (-1, -1),
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (total_q, heads, head_dim) -> out (total_q, heads, head_dim), causal within each sequence.
 
     backend "triton" (or "auto" on CUDA) runs the fused paged kernel (``triton_paged``), which reads
     the pages in place.  Otherwise each sequence's blocks are gathered into contiguous K/V and the
     chosen FlashAttention backend runs on them (the gathered copy is the sequence's context, not
     N x N); deterministic=True (or True for a sequence in a list) uses ``invariant_causal_attention``.
+    window_size (flash-attn's, causal: (left, 0)) and sinks (heads,): as ``flash_attn_func`` (the fused
+    kernel has neither: the gathered path runs them).
     """
     block_size = k_cache.shape[1]
     if len(cu_seqlens_q) != len(cache_seqlens) + 1 or len(block_tables) != len(cache_seqlens):
         raise ValueError("cu_seqlens_q must have one more entry than cache_seqlens and block_tables")
     fixed = deterministic if isinstance(deterministic, list) else [deterministic] * len(cache_seqlens)
-    if not any(fixed) and _use_triton(backend, q):
+    plain = window_size == (-1, -1) and sinks is None
+    if not any(fixed) and plain and _use_triton(backend, q):
         return _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables)
     out = torch.empty_like(q)
     for b, context in enumerate(cache_seqlens):
@@ -92,9 +105,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:context]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
         if fixed[b]:
-            out[q0:q1] = invariant_causal_attention(q[q0:q1], k, v)
+            out[q0:q1] = invariant_causal_attention(q[q0:q1], k, v, window_left=window_size[0], sinks=sinks)
         else:
-            out[q0:q1] = flash_attn_func(q[None, q0:q1], k[None], v[None], causal=True, backend=backend)[0]
+            out[q0:q1] = flash_attn_func(q[None, q0:q1], k[None], v[None], causal=True, backend=backend,
+                                         window_size=window_size, sinks=sinks)[0]
     return out
 
 

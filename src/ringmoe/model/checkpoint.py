@@ -1,6 +1,7 @@
 """Loading transformers-format checkpoints (config.json + safetensors) onto a mesh.
 
-Supported: MixtralForCausalLM and Qwen3MoeForCausalLM, with experts stored
+Supported: MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM and
+GptOssForCausalLM, with experts stored
 per expert (``experts.{e}.w1/w2/w3`` or ``gate_proj/up_proj/down_proj``, as
 the Hub's checkpoints and ``save_pretrained`` write them) or fused
 (``experts.gate_up_proj`` (E, 2F, H), ``experts.down_proj`` (E, H, F)).
@@ -28,7 +29,8 @@ __all__ = ["load_config", "load_checkpoint", "load_weights", "check_checkpoint",
 _MOE = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
 _ROUTER = re.compile(_MOE + r"gate\.weight$")
 _EXPERT = re.compile(_MOE + r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(_MOE + r"experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(_MOE + r"experts\.(gate_up_proj|down_proj)(_bias)?$")
+_SHARED = re.compile(_MOE + r"shared_expert(_gate)?\.")
 _ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -153,6 +155,8 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
             short = name.removeprefix("model.")
             if (m := _ROUTER.search(short)) is not None:
                 short = f"layers.{m.group(1)}.mlp.router.weight"
+            if (m := _SHARED.search(short)) is not None:  # Qwen2-MoE's shared expert and its gate
+                short = short.replace("shared_expert_gate.", "shared.gate.").replace("shared_expert.", "shared.")
             if (m := _EXPERT.search(short)) is not None:
                 layer, expert, kind = int(m.group(1)), int(m.group(2)), _ROLE[m.group(3)]
                 if expert in layer_of(name, layer).mlp.slot_experts:
@@ -160,17 +164,11 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
                     _expect_shape(name, weight, (h, f) if kind == "down" else (f, h))
                     experts.setdefault((layer, kind), {})[expert] = weight
             elif (m := _FUSED.search(short)) is not None:
-                layer, kind = int(m.group(1)), m.group(2)
+                layer, kind, bias = int(m.group(1)), m.group(2), m.group(3) is not None
                 for expert in layer_of(name, layer).mlp.slot_experts:
                     weight = read(name, expert)
-                    if kind == "down_proj":
-                        _expect_shape(f"{name}[{expert}]", weight, (h, f))
-                        experts.setdefault((layer, "down"), {})[expert] = weight
-                    else:
-                        _expect_shape(f"{name}[{expert}]", weight, (2 * f, h))
-                        gate, up = weight.chunk(2, dim=0)
-                        experts.setdefault((layer, "gate"), {})[expert] = gate
-                        experts.setdefault((layer, "up"), {})[expert] = up
+                    for role, part in _fused_parts(config, f"{name}[{expert}]", weight, kind, bias):
+                        experts.setdefault((layer, role), {})[expert] = part
             elif short in params and short not in expert_params:
                 weight = read(name)
                 _expect_shape(name, weight, params[short].shape)
@@ -179,21 +177,52 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
                 filled.add(short)
     if model.config.tie_word_embeddings:
         filled.add("lm_head.weight")
-    for index, layer in enumerate(model.layers):
+    for index, layer in model.moe_layers():
+        local = layer.mlp.slot_experts
         try:
-            gate = [experts[(index, "gate")][e] for e in layer.mlp.slot_experts]
-            up = [experts[(index, "up")][e] for e in layer.mlp.slot_experts]
-            down = [experts[(index, "down")][e] for e in layer.mlp.slot_experts]
+            stacked = {role: torch.stack([experts[(index, role)][e] for e in local])
+                       for role in ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias")
+                                                            if config.expert_bias else ())}
         except KeyError as missing:
             raise ValueError(f"checkpoint lacks the weights of layer {index}'s expert {missing}") from None
         if not dry_run:
-            layer.mlp.experts.gate_up.copy_(torch.cat([torch.stack(gate), torch.stack(up)], dim=1))
-            layer.mlp.experts.down.copy_(torch.stack(down))
-        filled.update(f"layers.{index}.mlp.experts.{p}" for p in ("gate_up", "down"))
+            mine = layer.mlp.experts
+            mine.gate_up.copy_(torch.cat([stacked["gate"], stacked["up"]], dim=1))
+            mine.down.copy_(stacked["down"])
+            if config.expert_bias:
+                mine.gate_up_bias.copy_(torch.cat([stacked["gate_bias"], stacked["up_bias"]], dim=1))
+                mine.down_bias.copy_(stacked["down_bias"])
+        filled.update(f"layers.{index}.mlp.experts.{p}" for p, _ in layer.mlp.experts.named_parameters())
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return report
+
+
+def _fused_parts(config: ModelConfig, name: str, tensor: torch.Tensor, kind: str, bias: bool):
+    """[(role, tensor)] of one expert's slice of a fused tensor, in ringmoe's (out, in) orientation.
+
+    transformers v5 (Mixtral, Qwen): gate_up_proj (2F, H) = [gate; up], down_proj (H, F).  gpt-oss:
+    gate_up_proj (H, 2F) with gate and up interleaved (columns 0, 2, 4... gate; 1, 3, 5... up), its bias
+    (2F,) interleaved the same way, down_proj (F, H), down_proj_bias (H,).
+    """
+    h, f = config.hidden_size, config.ffn_size
+    gpt_oss = config.arch == "gpt_oss"
+    if kind == "down_proj":
+        if bias:
+            _expect_shape(name, tensor, (h,))
+            return [("down_bias", tensor)]
+        _expect_shape(name, tensor, (f, h) if gpt_oss else (h, f))
+        return [("down", tensor.t() if gpt_oss else tensor)]
+    if bias:
+        _expect_shape(name, tensor, (2 * f,))
+        return [("gate_bias", tensor[0::2]), ("up_bias", tensor[1::2])]
+    if gpt_oss:
+        _expect_shape(name, tensor, (h, 2 * f))
+        return [("gate", tensor[:, 0::2].t()), ("up", tensor[:, 1::2].t())]
+    _expect_shape(name, tensor, (2 * f, h))
+    gate, up = tensor.chunk(2, dim=0)
+    return [("gate", gate), ("up", up)]
 
 
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, layout: str = "zigzag", backend: str = "auto",

@@ -7,15 +7,25 @@ from dataclasses import dataclass
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf"]
 
-ARCHITECTURES = ("mixtral", "qwen3_moe")
+ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only MoE transformer: every layer is RMSNorm -> GQA attention -> RMSNorm -> MoE.
+    """A decoder-only MoE transformer: every layer is RMSNorm -> GQA attention -> RMSNorm -> MoE (or dense MLP).
 
-    arch: "mixtral" or "qwen3_moe" (Qwen3 adds an RMSNorm on each query and key head
-    before RoPE, ``qk_norm``).  ffn_size is the hidden size of one expert.
+    arch: the transformers family it reads and writes ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss").
+    ffn_size is the hidden size of one expert.  Attention: ``qk_norm`` an RMSNorm on each query and key head
+    before RoPE (Qwen3), ``qk_norm_full`` one over the whole query and key projections (OLMoE); ``qkv_bias`` /
+    ``o_bias`` projection biases; ``attention_sinks`` a learned softmax-denominator logit per head (gpt-oss);
+    ``sliding_window`` W: a query of a "sliding_attention" layer (``layer_types``; all layers when None) sees
+    its last W positions, itself included.  MLP: ``dense_layers`` hold a dense SwiGLU of ``dense_ffn_size``
+    instead of experts (Qwen MoE's mlp_only_layers / decoder_sparse_step); ``shared_ffn_size`` an always-on
+    expert, ``shared_gated`` its sigmoid gate (Qwen2-MoE); ``router`` "softmax_topk" (softmax, then top-k) or
+    "topk_softmax" (top-k logits, softmax over them: gpt-oss), ``router_bias``; ``expert_bias`` biases in
+    the experts and ``swiglu_limit`` gpt-oss's clamped SwiGLU (gate and up interleaved in its checkpoints).
+    ``rope_scaling``: transformers' rope_parameters beyond the theta (linear, yarn, llama3), as sorted items.
     capacity_factor None = dropless experts.  overlap_chunks (a runtime choice, like capacity): micro-batches
     pipelined through the expert-parallel exchanges so they travel while experts compute; results do not
     depend on it.
@@ -38,6 +48,22 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     capacity_factor: float | None = None
     overlap_chunks: int = 1
+    qk_norm_full: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    dense_layers: tuple[int, ...] = ()
+    dense_ffn_size: int = 0
+    shared_ffn_size: int = 0
+    shared_gated: bool = False
+    router: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    rope_scaling: tuple = ()
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -56,7 +82,31 @@ class ModelConfig:
         check_capacity_factor(self.capacity_factor)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers
+                                             or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {LAYER_TYPES}")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers must lie in [0, {self.num_layers}), got {self.dense_layers}")
+        if self.dense_layers and self.dense_ffn_size < 1:
+            raise ValueError("dense_layers need dense_ffn_size >= 1")
+        if self.router not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"router must be 'softmax_topk' or 'topk_softmax', got {self.router!r}")
+        from .rope import check_rope_scaling
 
+        check_rope_scaling(dict(self.rope_scaling))
+
+    def window(self, layer: int) -> tuple[int, int]:
+        """flash-attn's window_size of ``layer``: (sliding_window - 1, 0) on sliding layers, else unbounded."""
+        if self.sliding_window is None:
+            return (-1, -1)
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return (-1, -1)
+        return (self.sliding_window - 1, 0)
+
+    def is_moe(self, layer: int) -> bool:
+        return layer not in self.dense_layers
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -108,36 +158,82 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """A ModelConfig from a transformers config.json dict (MixtralForCausalLM or Qwen3MoeForCausalLM).
+def _dense_layers(hf: dict, layers: int) -> tuple[int, ...]:
+    """Qwen MoE's dense layers: those in mlp_only_layers, and those whose (index + 1) % decoder_sparse_step != 0."""
+    step = hf.get("decoder_sparse_step", 1) or 1
+    only = set(hf.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
-    Raises ValueError for what this model does not implement (sliding windows,
-    dense layers between MoE layers, biases, non-default RoPE scaling).
+
+def _rope(hf: dict) -> tuple[float, tuple]:
+    """(theta, scaling items) from rope_parameters (transformers v5) or rope_theta + rope_scaling (v4)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, ()
+    rope["rope_type"] = kind
+    rope.pop("type", None)
+    return theta, tuple(sorted(rope.items()))
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A ModelConfig from a transformers config.json dict.
+
+    Families: MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, GptOssForCausalLM.
+    Raises ValueError for what this model does not implement (partial rotary, dynamic or longrope scaling,
+    OLMoE's clip_qkv, ...).
     """
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"config.json model_type must be one of {ARCHITECTURES}, got {model_type!r}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"only default RoPE is supported, got rope_type {rope.get('rope_type')!r}")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        raise ValueError(f"sliding-window attention is not supported (sliding_window={hf['sliding_window']})")
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported")
-    heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf)
+    if scaling and dict(scaling)["rope_type"] not in ("linear", "yarn", "llama3"):
+        raise ValueError(f"RoPE scaling {dict(scaling)['rope_type']!r} is not supported (linear, yarn, llama3 are)")
+    if dict(scaling).get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    window = hf.get("sliding_window") or None
+    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe") and not hf.get("use_sliding_window", model_type == "mixtral"):
+        window = None  # Qwen configs carry a window that is off unless use_sliding_window
+    layer_types = tuple(hf["layer_types"]) if hf.get("layer_types") and window else None
+    if model_type in ("qwen3_moe", "qwen2_moe") and window and hf.get("max_window_layers", layers) < layers:
+        layer_types = tuple("full_attention" if i < hf["max_window_layers"] else "sliding_attention"
+                            for i in range(layers))
     common = dict(
-        arch=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+        arch=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, top_k=hf["num_experts_per_tok"],
-        rope_theta=float(theta), rms_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=theta, rope_scaling=scaling, rms_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
+        layer_types=layer_types,
     )
     if model_type == "mixtral":
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported for Mixtral")
         return ModelConfig(ffn_size=hf["intermediate_size"], num_experts=hf["num_local_experts"],
-                           normalize_topk=True, qk_norm=False, **common)
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise ValueError("Qwen3-MoE checkpoints with dense layers (mlp_only_layers, decoder_sparse_step) are not supported")
+                           normalize_topk=True, **common)
+    if model_type == "gpt_oss":
+        bias = bool(hf.get("attention_bias", True))
+        return ModelConfig(ffn_size=hf["intermediate_size"], num_experts=hf["num_local_experts"], normalize_topk=True,
+                           qkv_bias=bias, o_bias=bias, attention_sinks=True, router="topk_softmax",
+                           router_bias=True, expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                           swiglu_alpha=1.702, **common)
+    if model_type == "olmoe":
+        if hf.get("clip_qkv") is not None:
+            raise ValueError("OLMoE's clip_qkv is not supported")
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported for OLMoE")
+        return ModelConfig(ffn_size=hf["intermediate_size"], num_experts=hf["num_experts"],
+                           normalize_topk=bool(hf.get("norm_topk_prob", False)), qk_norm_full=True, **common)
+    dense = _dense_layers(hf, layers)
     experts = hf.get("num_experts", hf.get("num_local_experts"))
-    return ModelConfig(ffn_size=hf["moe_intermediate_size"], num_experts=experts,
-                       normalize_topk=bool(hf.get("norm_topk_prob", False)), qk_norm=True, **common)
+    qwen = dict(ffn_size=hf["moe_intermediate_size"], num_experts=experts,
+                normalize_topk=bool(hf.get("norm_topk_prob", False)), dense_layers=dense,
+                dense_ffn_size=hf.get("intermediate_size", 0) if dense else 0)
+    if model_type == "qwen3_moe":
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported for Qwen3-MoE")
+        return ModelConfig(qk_norm=True, **qwen, **common)
+    return ModelConfig(qkv_bias=bool(hf.get("qkv_bias", True)), shared_ffn_size=hf.get("shared_expert_intermediate_size", 0),
+                       shared_gated=bool(hf.get("shared_expert_intermediate_size", 0)), **qwen, **common)

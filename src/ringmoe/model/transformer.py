@@ -23,11 +23,13 @@ import torch.utils.checkpoint
 from ..attention import flash_attn_func
 from ..batch_invariant import InvariantLinear
 from ..moe import MoELayer
+from ..moe.experts import SharedExpert
 from ..parallel.layout import check_layout, positions as layout_positions
 from ..parallel.mesh import Mesh
 from ..parallel.ring import RingStats, ring_flash_attn_func
 from ..parallel.watchdog import activity
 from .config import ModelConfig
+from .rope import rope_tables
 
 __all__ = ["MoETransformer", "RMSNorm", "rope_tables", "apply_rope"]
 
@@ -49,18 +51,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (S, head_dim) for integer positions pos (S,).
-
-    Angle of pair i at position p: p * theta^(-2i/head_dim), computed in float32 as
-    transformers does (so logits match its models), then cast to ``dtype``.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim)
-    angles = pos.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, S, heads, D) by position: pairs (x_i, x_{i+D/2}) turn by their angle."""
     half = x.shape[-1] // 2
@@ -69,29 +59,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """GQA self-attention projections; the attention itself is the ``attend`` callable."""
+    """GQA self-attention projections; the attention itself is the ``attend`` callable.
+
+    Optional, by the config: projection biases, qk-norm per head (Qwen3) or over the whole projection
+    (OLMoE), and attention sinks (gpt-oss: ``sinks`` (heads,), passed to ``attend`` by the model).
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = InvariantLinear(h, self.heads * d, bias=False)
-        self.k_proj = InvariantLinear(h, self.kv_heads * d, bias=False)
-        self.v_proj = InvariantLinear(h, self.kv_heads * d, bias=False)
-        self.o_proj = InvariantLinear(self.heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, config.rms_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_eps) if config.qk_norm else None
+        self.q_proj = InvariantLinear(h, self.heads * d, bias=config.qkv_bias)
+        self.k_proj = InvariantLinear(h, self.kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = InvariantLinear(h, self.kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = InvariantLinear(self.heads * d, h, bias=config.o_bias)
+        self.full_qk_norm = config.qk_norm_full
+        norm_q, norm_k = (self.heads * d, self.kv_heads * d) if config.qk_norm_full else (d, d)
+        self.q_norm = RMSNorm(norm_q, config.rms_eps) if config.qk_norm or config.qk_norm_full else None
+        self.k_norm = RMSNorm(norm_k, config.rms_eps) if config.qk_norm or config.qk_norm_full else None
+        self.sinks = nn.Parameter(torch.zeros(self.heads)) if config.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, index: int):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
+        v = v.view(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(index, q, k, v)
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
+
+
+def _mlp(config: ModelConfig, index: int, ep_group) -> nn.Module:
+    """Layer ``index``'s MLP: the MoE block, or a dense SwiGLU on the config's dense layers."""
+    if not config.is_moe(index):
+        return SharedExpert(config.hidden_size, config.dense_ffn_size)
+    return MoELayer(config.hidden_size, config.ffn_size, config.num_experts, config.top_k,
+                    router=config.router, normalize_topk=config.normalize_topk,
+                    capacity_factor=config.capacity_factor, group=ep_group, overlap_chunks=config.overlap_chunks,
+                    shared_ffn_size=config.shared_ffn_size, shared_gated=config.shared_gated,
+                    router_bias=config.router_bias, expert_bias=config.expert_bias,
+                    swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
 
 
 class DecoderLayer(nn.Module):
@@ -101,10 +113,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.mlp = MoELayer(config.hidden_size, config.ffn_size, config.num_experts, config.top_k,
-                            router="softmax_topk", normalize_topk=config.normalize_topk,
-                            capacity_factor=config.capacity_factor, group=ep_group,
-                            overlap_chunks=config.overlap_chunks)
+        self.mlp = _mlp(config, index, ep_group)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, MoELayer)
 
     def forward(self, x, cos, sin, attend: Attend):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, self.index)
@@ -146,13 +159,18 @@ class MoETransformer(nn.Module):
         check_layout(seqlen, self.mesh.cp, self.layout)
         return layout_positions(seqlen, self.mesh.cp, self.mesh.cp_rank, self.layout)
 
+    def attention_options(self, index: int) -> dict:
+        """Layer ``index``'s window_size and sinks, as the attention functions take them."""
+        return {"window_size": self.config.window(index), "sinks": self.layers[index].self_attn.sinks}
+
     def causal_attend(self, ring_stats: RingStats | None = None) -> Attend:
         """Causal self-attention over the whole (sharded) sequence: the ring when cp > 1."""
         if self.mesh.cp == 1:
-            return lambda index, q, k, v: flash_attn_func(q, k, v, causal=True, backend=self.backend)
+            return lambda index, q, k, v: flash_attn_func(q, k, v, causal=True, backend=self.backend,
+                                                          **self.attention_options(index))
         return lambda index, q, k, v: ring_flash_attn_func(
-            q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout, backend=self.backend, stats=ring_stats
-        )
+            q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout, backend=self.backend, stats=ring_stats,
+            **self.attention_options(index))
 
     def packed_attend(self, cu_seqlens: torch.Tensor, max_seqlen: int, ring_stats: RingStats | None = None) -> Attend:
         """Causal attention within packed documents (int32 ``cu_seqlens``, global, the same on every rank).
@@ -165,12 +183,11 @@ class MoETransformer(nn.Module):
 
         if self.mesh.cp == 1:
             return lambda index, q, k, v: flash_attn_varlen_func(
-                q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True, backend=self.backend
-            )[None]
+                q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True, backend=self.backend,
+                **self.attention_options(index))[None]
         return lambda index, q, k, v: ring_flash_attn_varlen_func(
             q[0], k[0], v[0], cu_seqlens, max_seqlen, group=self.mesh.cp_group, causal=True, layout=self.layout,
-            backend=self.backend, stats=ring_stats,
-        )[None]
+            backend=self.backend, stats=ring_stats, **self.attention_options(index))[None]
 
     def packed_positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Positions within their documents (int64 (local_tokens,)) of this rank's rows of a packed row."""
@@ -190,7 +207,8 @@ class MoETransformer(nn.Module):
         if attend is None:
             attend = self.causal_attend(ring_stats)
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype,
+                               dict(self.config.rope_scaling))
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             with activity(f"layer {index}"):
@@ -256,6 +274,10 @@ class MoETransformer(nn.Module):
             else:
                 dist.all_reduce(param.grad)
 
+    def moe_layers(self) -> list[tuple[int, DecoderLayer]]:
+        """(index, layer) of the layers whose MLP is a MoE block."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if layer.is_moe]
+
     def moe_stats(self) -> list:
-        """The MoEStats of every layer's last forward."""
-        return [layer.mlp.last_stats for layer in self.layers]
+        """The MoEStats of every MoE layer's last forward."""
+        return [layer.mlp.last_stats for _, layer in self.moe_layers()]

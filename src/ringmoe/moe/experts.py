@@ -3,6 +3,9 @@
 Weights follow transformers' fused layout (v5): ``gate_up`` (E, 2F, H) with
 the gate projection in rows [0, F) and the up projection in [F, 2F), and
 ``down`` (E, H, F).  An expert computes down(silu(gate x) * up x).
+
+gpt-oss's experts (``bias=True, limit=L``) add biases to both projections and clamp:
+g = min(gate x + b_g, L), u = clamp(up x + b_u, -L, L), out = down((u + 1) * g * sigmoid(alpha g)) + b_d.
 """
 
 from __future__ import annotations
@@ -16,24 +19,48 @@ from ..batch_invariant import InvariantLinear, linear
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) for rows x (n, H), gate_up (2F, H) = [gate; up], down (H, F)."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+           down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702) -> torch.Tensor:
+    """down(act(gate x, up x)) for rows x (n, H), gate_up (2F, H) = [gate; up], down (H, F); optional
+    biases (2F,), (H,); ``limit``: gpt-oss's clamped activation, else silu(gate) * up."""
+    h = linear(x, gate_up)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias
+    y = linear(activate(h, limit, alpha), down)
+    return y if down_bias is None else y + down_bias
+
+
+def activate(h: torch.Tensor, limit: float | None = None, alpha: float = 1.702) -> torch.Tensor:
+    """[gate | up] (..., 2F) -> (..., F): silu(gate) * up, or gpt-oss's clamped form when ``limit`` is set."""
+    gate, up = h.chunk(2, dim=-1)
+    if limit is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 class SwiGLUExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, bias: bool = False,
+                 limit: float | None = None, alpha: float = 1.702):
         super().__init__()
         self.num_experts, self.hidden_size, self.ffn_size = num_experts, hidden_size, ffn_size
+        self.limit, self.alpha = limit, alpha
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
         nn.init.normal_(self.gate_up, std=hidden_size**-0.5)
         nn.init.normal_(self.down, std=ffn_size**-0.5)
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * ffn_size)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+
+    def _weights(self, e: int, gate_ups=None, downs=None, gate_up_biases=None, down_biases=None):
+        return dict(gate_up=(gate_ups or self.gate_up)[e], down=(downs or self.down)[e],
+                    gate_up_bias=None if self.gate_up_bias is None else (gate_up_biases or self.gate_up_bias)[e],
+                    down_bias=None if self.down_bias is None else (down_biases or self.down_bias)[e],
+                    limit=self.limit, alpha=self.alpha)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on rows x (n, H) -> (n, H)."""
-        return swiglu(x, self.gate_up[e], self.down[e])
+        return swiglu(x, **self._weights(e))
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (N, H) sorted by expert with ``counts[e]`` rows for expert e: one matmul pair per expert.
@@ -42,17 +69,21 @@ class SwiGLUExperts(nn.Module):
         gradients once; indexing ``gate_up[e]`` per expert would instead build a
         full (E, 2F, H) gradient per expert (O(E^2) memory traffic).
         """
-        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
+        unbound = [None if p is None else p.unbind(0)
+                   for p in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)]
         outs = []
         for e, rows in enumerate(x.split(counts)):
             if rows.shape[0]:
-                outs.append(swiglu(rows, gate_ups[e], downs[e]))
+                outs.append(swiglu(rows, **self._weights(e, *unbound)))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """x (E, C, H) -> (E, C, H): one batched matmul per projection for all experts."""
-        gate, up = torch.bmm(x, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))
+        h = torch.bmm(x, self.gate_up.transpose(1, 2))
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[:, None]
+        y = torch.bmm(activate(h, self.limit, self.alpha), self.down.transpose(1, 2))
+        return y if self.down_bias is None else y + self.down_bias[:, None]
 
 
 class SharedExpert(nn.Module):

@@ -84,7 +84,8 @@ class MoELayer(nn.Module):
     """A sparse mixture-of-experts SwiGLU block.
 
     x (..., hidden_size) -> y (..., hidden_size), same dtype.
-    router: "softmax_topk" | "sigmoid_bias"; capacity_factor None = dropless.
+    router: "softmax_topk" | "topk_softmax" | "sigmoid_bias" (``router_bias``: a bias on its logits);
+    capacity_factor None = dropless.  expert_bias, swiglu_limit, swiglu_alpha: gpt-oss's experts.
     shared_ffn_size > 0 adds a shared expert (gated as in Qwen2-MoE if shared_gated).
     group: expert-parallel process group (None or size 1 = all experts local); each
     rank then holds num_experts / P experts and exchanges tokens by all-to-all.
@@ -110,6 +111,10 @@ class MoELayer(nn.Module):
         shared_gated: bool = False,
         overlap_chunks: int = 1,
         replicas: ReplicaPlan | None = None,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
@@ -147,8 +152,8 @@ class MoELayer(nn.Module):
         self.overlap_chunks = overlap_chunks
         self.sync_exchanges = False
         self.router = Router(hidden_size, num_experts, top_k, router, normalize_topk, n_group, topk_group,
-                             routed_scaling_factor)
-        self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size)
+                             routed_scaling_factor, bias=router_bias)
+        self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size, expert_bias, swiglu_limit, swiglu_alpha)
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
 
@@ -197,7 +202,7 @@ class MoELayer(nn.Module):
         if self.replica_plan is None:
             return
         index = torch.tensor(self.slot_experts, device=self.experts.gate_up.device)
-        for param in (self.experts.gate_up, self.experts.down):
+        for param in self.experts.parameters():
             if param.grad is None:
                 continue
             total = param.grad.new_zeros(self.num_experts, *param.shape[1:])

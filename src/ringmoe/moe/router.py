@@ -4,6 +4,8 @@
   float32; the top-k experts are chosen; their weights are the probabilities,
   renormalised to sum to 1 when ``normalize_topk`` (Mixtral always, Qwen3-MoE
   by ``norm_topk_prob``).
+* ``topk_softmax`` (gpt-oss): the top-k logits are chosen first and their weights are the softmax over
+  those k only (probs, for the balancing losses, stay the softmax over all experts).
 * ``sigmoid_bias`` (DeepSeek-V3): scores = sigmoid(logits); a correction bias
   is added for *choosing* only; experts are split into ``n_group`` groups, a
   group scores the sum of its two best biased scores, the best ``topk_group``
@@ -28,7 +30,7 @@ from ..batch_invariant import linear
 
 __all__ = ["Router", "Routing", "ROUTERS", "load_balancing_loss", "router_z_loss", "update_correction_bias"]
 
-ROUTERS = ("softmax_topk", "sigmoid_bias")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_bias")
 
 
 @dataclass
@@ -58,7 +60,7 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Linear gate (E, H) plus the top-k rule of ``kind``.  forward(x (T, H)) -> Routing."""
+    """Linear gate (E, H) (plus a bias (E,) with ``bias``) and the top-k rule of ``kind``.  forward(x (T, H)) -> Routing."""
 
     def __init__(
         self,
@@ -70,6 +72,7 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        bias: bool = False,
     ):
         super().__init__()
         if kind not in ROUTERS:
@@ -87,11 +90,19 @@ class Router(nn.Module):
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         nn.init.normal_(self.weight, std=hidden_size**-0.5)
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         self.register_buffer("correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
         dtype = torch.promote_types(x.dtype, torch.float32)  # float32 at least, float64 stays
         logits = linear(x.to(dtype), self.weight.to(dtype))
+        if self.bias is not None:
+            logits = logits + self.bias.to(dtype)
+        if self.kind == "topk_softmax":
+            probs = torch.softmax(logits, dim=-1)
+            choice = logits.detach() + self.correction_bias if self.correction_bias.any() else logits
+            idx = torch.topk(choice, self.top_k, dim=-1).indices
+            return Routing(logits, probs, idx, torch.softmax(logits.gather(1, idx), dim=-1))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
             if self.correction_bias.any():  # auxiliary-loss-free balancing: the bias steers the choice only

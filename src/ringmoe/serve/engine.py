@@ -255,7 +255,7 @@ class Engine:
             reports = self.runner.step(plan[self.mesh.ep_rank])
         if self.mesh.size > 1:  # they travel pickled to the driver: host memory, not this rank's GPU
             reports = {key: value.cpu() for key, value in reports.items()}
-        moe = [layer.mlp.last_stats for layer in self.model.layers if layer.mlp.last_stats is not None]
+        moe = [stats for stats in self.model.moe_stats() if stats is not None]
         ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
         rows = moe[0].tokens_per_rank if moe else None
         if self.record_steps:

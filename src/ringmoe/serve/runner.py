@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..attention import decode_attention, merge_attention
 from ..attention.paged import paged_attention
+from ..attention.sinks import add_sinks
 from ..model.transformer import MoETransformer
 from ..parallel.layout import positions as layout_positions, shard
 from ..parallel.ring import RingStats, ring_flash_attn_func
@@ -128,13 +129,15 @@ class ModelRunner:
         def attend(index, q, k, v):
             q, k, v = q[0], k[0], v[0]
             out = torch.empty_like(q)
+            options = self.model.attention_options(index)  # the layer's window_size and sinks
+            window_left, sinks = options["window_size"][0], options["sinks"]
             if paged:
                 rows = torch.cat([torch.arange(o, o + n) for _, o, n in paged])
                 self._write(index, paged_slots, k[rows], v[rows])
                 out[rows] = paged_attention(q[rows], self.k_cache[index], self.v_cache[index], cu,
                                             [i.start + n for i, _, n in paged], [i.tables[0] for i, _, _ in paged],
                                             self.backend,
-                                            [self.deterministic and not i.generated for i, _, _ in paged])
+                                            [self.deterministic and not i.generated for i, _, _ in paged], **options)
             if decodes:
                 out_parts, lse_parts = [], []
                 for item, offset, _ in decodes:
@@ -145,16 +148,22 @@ class ModelRunner:
                                     v[offset:offset + 1])
                     held = local_count(item.ring_len, position + 1, cp, cp_rank, self.layout)
                     keys, values = self._gather(index, table, held)
+                    if window_left >= 0:  # this rank's keys are in position order: the window is a suffix
+                        skip = local_count(item.ring_len, max(0, position - window_left), cp, cp_rank, self.layout)
+                        keys, values = keys[skip:], values[skip:]
                     o, lse = decode_attention(q[None, offset:offset + 1], keys[None], values[None])
                     out_parts.append(o[0, 0])
                     lse_parts.append(lse[0, :, 0])
-                merged = _merge_over_group(self.mesh.cp_group, torch.stack(out_parts), torch.stack(lse_parts))
+                merged, merged_lse = _merge_over_group(self.mesh.cp_group, torch.stack(out_parts),
+                                                       torch.stack(lse_parts))
+                if sinks is not None:  # once, after the ranks' parts are merged
+                    merged = add_sinks(merged[None], merged_lse.T[None], sinks)[0][0]
                 out[[o for _, o, _ in decodes]] = merged.to(q.dtype)
             for item, offset, n in rings:
                 rows = slice(offset, offset + n)
                 out[rows] = ring_flash_attn_func(q[None, rows], k[None, rows], v[None, rows],
                                                  group=self.mesh.cp_group, causal=True, layout=self.layout,
-                                                 backend=self.backend, stats=self.ring_stats)[0]
+                                                 backend=self.backend, stats=self.ring_stats, **options)[0]
                 real = len(owned_prefill_positions(item.ring_len, cp, cp_rank, self.layout))
                 self._write(index, self._slots(item.tables[cp_rank], range(real)), k[offset:offset + real],
                             v[offset:offset + real])
@@ -177,10 +186,10 @@ class ModelRunner:
         return reports
 
 
-def _merge_over_group(group, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Exact attention over every rank's keys from each rank's partial out (n, heads, D), lse (n, heads)."""
+def _merge_over_group(group, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention (out (n, heads, D), lse (n, heads)) over every rank's keys from each rank's partial result."""
     if group is None:
-        return out
+        return out, lse
     world = dist.get_world_size(group)
     outs = [torch.empty_like(out) for _ in range(world)]
     lses = [torch.empty_like(lse) for _ in range(world)]
@@ -190,4 +199,4 @@ def _merge_over_group(group, out: torch.Tensor, lse: torch.Tensor) -> torch.Tens
     for o, s in zip(outs[1:], lses[1:]):  # the same order on every rank: identical results
         merged, merged_lse = merge_attention(merged[None], merged_lse.T[None], o[None], s.T[None])
         merged, merged_lse = merged[0], merged_lse[0].T
-    return merged
+    return merged, merged_lse

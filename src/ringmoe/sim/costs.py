@@ -40,8 +40,8 @@ def ring_step_pairs(seqlen: int, cp: int, rank: int, step: int, layout: str, cau
     ring step ``step`` (the block of rank - step), per sequence and head."""
     local = seqlen // cp
     tasks = plan_block(segments(local, cp, rank, layout), segments(local, cp, (rank - step) % cp, layout), causal)
-    full = sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, None) for t in tasks if t.offset is None)
-    masked = sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, t.offset) for t in tasks if t.offset is not None)
+    full = sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, None) for t in tasks if not t.masked)
+    masked = sum(visible_pairs(t.q1 - t.q0, t.k1 - t.k0, t.hi) for t in tasks if t.masked)  # causal: right edge hi
     return full, masked, len(tasks)
 
 

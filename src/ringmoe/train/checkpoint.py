@@ -93,9 +93,8 @@ def export(model: MoETransformer, folder: str | Path, tokenizer_folder: str | Pa
     """Write the whole model as a transformers checkpoint on rank 0 (collective); the folder there, else None."""
     full = MoETransformer(model.config)
     state = dict(model.state_dict())
-    for index, layer in enumerate(model.layers):
-        for name in ("gate_up", "down"):
-            local = getattr(layer.mlp.experts, name)
+    for index, layer in model.moe_layers():
+        for name, local in layer.mlp.experts.named_parameters():
             stack = local.new_zeros(model.config.num_experts, *local.shape[1:])
             stack[layer.mlp.slot_experts] = local
             if model.mesh.ep_group is not None:
