@@ -13,9 +13,14 @@ transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+CONFIGS = {"mixtral": preset("tiny"), "qwen3_moe": preset("tiny").replace(arch="qwen3_moe", qk_norm=True),
+           "gpt-oss": preset("gpt-oss-tiny"), "qwen2-moe": preset("qwen2-moe-tiny"), "olmoe": preset("olmoe-tiny"),
+           "qwen3-moe-dense": preset("qwen3-moe-dense-tiny")}
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
 def test_exported_checkpoint_loads_in_transformers_with_equal_logits(arch, tmp_path):
-    config = preset("tiny").replace(arch=arch, qk_norm=arch == "qwen3_moe", normalize_topk=True)
+    config = CONFIGS[arch]
     model = MoETransformer(config).double()
     model.init_weights(11, std=0.2)
     with torch.no_grad():  # norms away from 1 so they matter
@@ -27,6 +32,7 @@ def test_exported_checkpoint_loads_in_transformers_with_equal_logits(arch, tmp_p
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, attn_implementation="eager",
                                                            experts_implementation="eager").eval()
     ids = torch.randint(0, config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+    assert type(hf).__name__.lower().startswith(arch.split("_")[0].replace("-", "").split("moe")[0])
     with torch.no_grad():
         want = hf(ids).logits
     # transformers computes RoPE angles and the router softmax in float32: agreement to float32 resolution

@@ -1,9 +1,10 @@
 """Writing a model as a transformers checkpoint: config.json and model.safetensors in transformers' names.
 
 The inverse of ``checkpoint.load_checkpoint`` for one process holding every expert: experts are
-written per expert (``block_sparse_moe.experts.{e}.w1/w2/w3`` for Mixtral,
-``mlp.experts.{e}.gate_proj/up_proj/down_proj`` for Qwen3-MoE), as ``save_pretrained`` writes them,
-so transformers' MixtralForCausalLM / Qwen3MoeForCausalLM load the folder as is.
+written as ``save_pretrained`` writes them (per expert: ``block_sparse_moe.experts.{e}.w1/w2/w3`` for
+Mixtral, ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` for Qwen3-MoE, Qwen2-MoE and OLMoE; fused for
+gpt-oss: ``experts.gate_up_proj`` (E, H, 2F) with gate and up interleaved, ``down_proj`` (E, F, H) and
+their biases), so transformers' *ForCausalLM of the family loads the folder as is.
 """
 
 from __future__ import annotations
@@ -19,45 +20,103 @@ from .transformer import MoETransformer
 __all__ = ["config_to_hf", "save_pretrained"]
 
 
+def _rope(config: ModelConfig) -> dict:
+    scaling = dict(config.rope_scaling) or {"rope_type": "default"}
+    return {"rope_theta": config.rope_theta, "rope_parameters": {"rope_theta": config.rope_theta, **scaling}}
+
+
+def _window(config: ModelConfig) -> dict:
+    if config.sliding_window is None:
+        return {"sliding_window": None, "use_sliding_window": False}
+    types = config.layer_types or ("sliding_attention",) * config.num_layers
+    return {"sliding_window": config.sliding_window, "use_sliding_window": True, "layer_types": list(types),
+            "max_window_layers": 0}
+
+
 def config_to_hf(config: ModelConfig, eos_token_id: int | None = None, bos_token_id: int | None = None) -> dict:
     """transformers' config.json dict for ``config`` (the inverse of ``config_from_hf``)."""
     common = {
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim, "num_experts_per_tok": config.top_k, "rms_norm_eps": config.rms_eps,
-        "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
         "max_position_embeddings": 131072, "attention_dropout": 0.0, "eos_token_id": eos_token_id,
-        "bos_token_id": bos_token_id, "torch_dtype": "float32",
+        "bos_token_id": bos_token_id, "torch_dtype": "float32", **_rope(config), **_window(config),
     }
-    if config.arch == "mixtral":
+    arch = config.arch
+    if arch == "mixtral":
         if not config.normalize_topk:
             raise ValueError("Mixtral renormalises its top-k weights: normalize_topk must be True")
         return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": config.ffn_size, "num_local_experts": config.num_experts, "router_jitter_noise": 0.0}
+    if arch == "gpt_oss":
+        return {**common, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                 "intermediate_size": config.ffn_size, "num_local_experts": config.num_experts,
-                "sliding_window": None, "router_jitter_noise": 0.0}
-    return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "moe_intermediate_size": config.ffn_size, "intermediate_size": config.ffn_size,
+                "attention_bias": config.qkv_bias, "swiglu_limit": config.swiglu_limit, "router_aux_loss_coef": 0.0}
+    if arch == "olmoe":
+        return {**common, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
+                "intermediate_size": config.ffn_size, "num_experts": config.num_experts,
+                "norm_topk_prob": config.normalize_topk, "clip_qkv": None, "attention_bias": False}
+    qwen = {"moe_intermediate_size": config.ffn_size, "intermediate_size": config.dense_ffn_size or config.ffn_size,
             "num_experts": config.num_experts, "norm_topk_prob": config.normalize_topk, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None, "attention_bias": False}
+            "mlp_only_layers": list(config.dense_layers)}
+    if arch == "qwen3_moe":
+        return {**common, **qwen, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "attention_bias": False}
+    if not config.shared_ffn_size or not config.shared_gated:
+        raise ValueError("Qwen2-MoE has a gated shared expert: shared_ffn_size must be > 0 and shared_gated True")
+    return {**common, **qwen, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+            "qkv_bias": config.qkv_bias, "shared_expert_intermediate_size": config.shared_ffn_size}
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
+    """gate, up (..., F, ...) -> (..., 2F, ...) along ``dim`` with gate at even and up at odd indices."""
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _expert_tensors(config: ModelConfig, prefix: str, experts) -> dict[str, torch.Tensor]:
+    """One MoE layer's experts in the family's checkpoint names and layouts."""
+    f = config.ffn_size
+    gate, up, down = experts.gate_up[:, :f], experts.gate_up[:, f:], experts.down
+    if config.arch == "gpt_oss":
+        out = {f"{prefix}.experts.gate_up_proj": _interleave(gate, up, 1).transpose(1, 2),   # (E, H, 2F)
+               f"{prefix}.experts.down_proj": down.transpose(1, 2)}                            # (E, F, H)
+        if experts.gate_up_bias is not None:
+            bias = experts.gate_up_bias
+            out[f"{prefix}.experts.gate_up_proj_bias"] = _interleave(bias[:, :f], bias[:, f:], 1)
+            out[f"{prefix}.experts.down_proj_bias"] = experts.down_bias
+        return out
+    names = ("w1", "w3", "w2") if config.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for e in range(config.num_experts):
+        out[f"{prefix}.experts.{e}.{names[0]}.weight"] = gate[e]
+        out[f"{prefix}.experts.{e}.{names[1]}.weight"] = up[e]
+        out[f"{prefix}.experts.{e}.{names[2]}.weight"] = down[e]
+    return out
 
 
 def _tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
     config = model.config
-    mixtral = config.arch == "mixtral"
-    moe, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    moe = "block_sparse_moe" if config.arch == "mixtral" else "mlp"
+    router = "router" if config.arch == "gpt_oss" else "gate"
     out = {}
     for name, param in model.state_dict().items():
-        if ".mlp." not in name:
-            out[name if name == "lm_head.weight" else f"model.{name}"] = param
-    for index, layer in enumerate(model.layers):
+        parts = name.split(".")
+        if parts[0] == "layers" and model.layers[int(parts[1])].is_moe and parts[2] == "mlp":
+            continue  # MoE blocks below, in the family's names
+        out[name if name == "lm_head.weight" else f"model.{name}"] = param
+    for index, layer in model.moe_layers():
         prefix = f"model.layers.{index}.{moe}"
-        out[f"{prefix}.gate.weight"] = layer.mlp.router.weight
-        gate_up, down = layer.mlp.experts.gate_up, layer.mlp.experts.down
-        ffn = config.ffn_size
-        for e in range(config.num_experts):
-            out[f"{prefix}.experts.{e}.{names[0]}.weight"] = gate_up[e, :ffn]
-            out[f"{prefix}.experts.{e}.{names[1]}.weight"] = gate_up[e, ffn:]
-            out[f"{prefix}.experts.{e}.{names[2]}.weight"] = down[e]
+        out[f"{prefix}.{router}.weight"] = layer.mlp.router.weight
+        if layer.mlp.router.bias is not None:
+            out[f"{prefix}.{router}.bias"] = layer.mlp.router.bias
+        out.update(_expert_tensors(config, prefix, layer.mlp.experts))
+        shared = layer.mlp.shared
+        if shared is not None:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[f"{prefix}.shared_expert.{proj}.weight"] = getattr(shared, proj).weight
+            if shared.gate is not None:
+                out[f"{prefix}.shared_expert_gate.weight"] = shared.gate.weight
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return {k: v.detach().contiguous().clone() for k, v in out.items()}

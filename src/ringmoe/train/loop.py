@@ -120,7 +120,8 @@ class Trainer:
         """(aux, z) averaged over layers, each over the whole batch; and each layer's global assignments."""
         aux, z, loads = 0.0, 0.0, []
         experts = self.model.config.num_experts
-        for layer in self.model.layers:
+        moe_layers = self.model.moe_layers()
+        for _, layer in moe_layers:
             sums = layer.mlp.last_stats.router_sums
             counts = sums.assignments.detach().clone()
             if dist.is_initialized() and self.model.mesh.size > 1:
@@ -130,7 +131,7 @@ class Trainer:
             aux = aux + experts * torch.sum(counts / total_tokens * prob / total_tokens)
             z = z + z_sum / total_tokens
             loads.append(counts)
-        layers = len(self.model.layers)
+        layers = max(1, len(moe_layers))
         return aux / layers, z / layers, loads
 
     def grad_norm(self) -> float:
@@ -174,7 +175,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if config.balance == "bias":
-            for layer, load in zip(model.layers, loads):
+            for (_, layer), load in zip(model.moe_layers(), loads):
                 update_correction_bias(layer.mlp.router, load, config.bias_rate)
         lm_total = _global(lm.detach()) if model.mesh.size > 1 else lm.detach()
         self.position += config.rows
