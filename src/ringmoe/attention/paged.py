@@ -14,6 +14,8 @@ import importlib.util
 import torch
 
 from .api import flash_attn_func
+from .decode import decode_attention
+from .sinks import add_sinks
 
 __all__ = ["paged_attention", "invariant_causal_attention"]
 
@@ -106,6 +108,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
         if fixed[b]:
             out[q0:q1] = invariant_causal_attention(q[q0:q1], k, v, window_left=window_size[0], sinks=sinks)
+        elif q1 - q0 == 1:  # one new token (decoding): every cached key, K/V heads shared without copies
+            if window_size[0] >= 0:
+                k, v = k[-(window_size[0] + 1):], v[-(window_size[0] + 1):]
+            o, lse = decode_attention(q[None, q0:q1], k[None], v[None])
+            out[q0:q1] = (add_sinks(o, lse, sinks)[0] if sinks is not None else o)[0]
         else:
             out[q0:q1] = flash_attn_func(q[None, q0:q1], k[None], v[None], causal=True, backend=backend,
                                          window_size=window_size, sinks=sinks)[0]
