@@ -81,7 +81,11 @@ def test_a_window_within_one_shard_stops_the_contiguous_ring_early():
     full = spawn(_bytes, 4, (-1, -1), timeout=120)
     windowed = spawn(_bytes, 4, (128, 0), timeout=120)
     assert [steps for _, steps in full] == [4] * 4 and [steps for _, steps in windowed] == [2] * 4
-    assert windowed[0][0] * 3 == full[0][0]  # one block sent instead of three
+    block = windowed[0][0]
+    # full causal: rank r passes on blocks 0..r (the last rank none); windowed: each rank but the last
+    # sends its own block to its one neighbour, and nothing else travels
+    assert [b for b, _ in full] == [block, 2 * block, 3 * block, 0]
+    assert [b for b, _ in windowed] == [block, block, block, 0]
 
 
 def _varlen(rank, world, layout):

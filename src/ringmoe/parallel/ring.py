@@ -36,7 +36,7 @@ from .watchdog import activity
 
 __all__ = ["ring_flash_attn_func", "RingStats", "RingComm", "plan_block", "run_ring"]
 
-_KV_TAG, _DKV_TAG = 11, 12
+_KV_TAG, _DKV_TAG, _HOME_TAG = 11, 12, 13
 
 
 @dataclass
@@ -72,14 +72,13 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)
 
-    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, tag: int, hops: int = 1) -> list:
-        """Start sending ``send`` ``hops`` ranks ahead and receiving ``recv`` from ``hops`` ranks behind."""
-        to = self.next if hops == 1 else self.global_rank(self.rank + hops)
-        frm = self.prev if hops == 1 else self.global_rank(self.rank - hops)
-        return [
-            dist.isend(send, to, group=self.group, tag=tag),
-            dist.irecv(recv, frm, group=self.group, tag=tag),
-        ]
+    def send(self, tensor: torch.Tensor, hops: int, tag: int):
+        """Start sending ``tensor`` to the rank ``hops`` places ahead in the ring."""
+        return dist.isend(tensor, self.global_rank(self.rank + hops), group=self.group, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, hops: int, tag: int):
+        """Start receiving into ``tensor`` from the rank ``hops`` places behind in the ring."""
+        return dist.irecv(tensor, self.global_rank(self.rank - hops), group=self.group, tag=tag)
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank % self.world_size)
@@ -178,18 +177,18 @@ class RingPlan:
 
     ``segments_of(rank)`` gives a rank's tokens as groups of Segments: one group per sequence (one for a
     dense batch; one per document when documents are packed), and a query meets only keys of its group.
-    ``steps``: how many ring steps any rank needs (fewer than the world size when a window keeps every
-    query within the last few blocks, as the contiguous layout allows): the ring stops there, blocks
-    beyond it are neither computed nor sent.
+    ``last[src]``: the last ring step at which some rank needs ``src``'s block (it reaches rank src + s at
+    step s); the block travels no further, so a block nobody downstream needs is never sent (the last
+    rank's block under a causal contiguous layout; every block beyond a window's reach).  ``steps``: the
+    ring's length, max(last) + 1.
     """
 
     def __init__(self, lengths: list[int], segments_of, causal: bool, window: tuple[int, int] = (-1, -1)):
         self.lengths, self.segments_of, self.causal, self.window = lengths, segments_of, causal, window
         world = len(lengths)
-        self.steps = world
-        if window != (-1, -1):
-            needed = [s for s in range(world) for r in range(world) if self.tasks(r, (r - s) % world)]
-            self.steps = max(needed, default=0) + 1
+        self.last = [max((s for s in range(world) if self.tasks((src + s) % world, src)), default=0)
+                     for src in range(world)]
+        self.steps = max(self.last) + 1
 
     def tasks(self, rank: int, src: int) -> list[BlockTask]:
         tasks = []
@@ -222,6 +221,10 @@ class _Ring:
         length = self.plan.lengths[self.source(step)]
         return kv.new_empty((2, kv.shape[1], length, *kv.shape[3:]), dtype=dtype or kv.dtype)
 
+    def holds(self, step: int) -> bool:
+        """Whether this rank receives (and uses) a block at ``step``."""
+        return step < self.plan.steps and step <= self.plan.last[self.source(step)]
+
     def kernel(self, q, k, spec):
         return resolve_kernel(self.backend, q, k, spec)
 
@@ -231,12 +234,17 @@ class _Ring:
                 {"step": step, "compute_s": compute, "wait_s": wait, "bytes_sent": nbytes}
             )
 
-    def prefetch(self, kv, step):
-        """Start passing ``kv`` on and receiving the next block, unless this is the last step."""
-        if step == self.plan.steps - 1:
-            return None, []
-        incoming = self.block_like(kv, step + 1)
-        return incoming, self.comm.send_recv(kv, incoming, _KV_TAG)
+    def prefetch(self, kv, own, step):
+        """Pass the held block on if a rank further along needs it; start receiving the next one if this
+        rank needs it.  Returns (incoming buffer or None, pending works, bytes sent)."""
+        pending, sent, incoming = [], 0, None
+        if kv is not None and step + 1 <= self.plan.last[self.source(step)]:
+            pending.append(self.comm.send(kv, 1, _KV_TAG))
+            sent = kv.numel() * kv.element_size()
+        if self.holds(step + 1):
+            incoming = self.block_like(own, step + 1)
+            pending.append(self.comm.recv(incoming, 1, _KV_TAG))
+        return incoming, pending, sent
 
     # -- forward ---------------------------------------------------------------
     def forward(self, q, k, v):
@@ -244,18 +252,18 @@ class _Ring:
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(batch, local_len, heads, head_dim, dtype=acc_dtype, device=q.device)
         lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc_dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        own = kv = torch.stack([k, v]).contiguous()
         steps = self.plan.steps
         for step in range(steps):
             with activity(f"ring forward step {step + 1}/{steps}"):
-                kv = self.forward_step(step, q, kv, out, lse)
+                kv = self.forward_step(step, q, kv, own, out, lse)
         return out, lse
 
-    def forward_step(self, step, q, kv, out, lse):
-        """Merge this step's K/V block into (out, lse) in place while the next block travels; the next kv."""
+    def forward_step(self, step, q, kv, own, out, lse):
+        """Merge this step's K/V block (if any) into (out, lse) in place while the next travels; the next kv."""
         start = time.perf_counter()
-        incoming, pending = self.prefetch(kv, step)
-        for task in self.tasks(step):
+        incoming, pending, sent = self.prefetch(kv, own, step)
+        for task in self.tasks(step) if kv is not None else []:
             spec = _task_spec(self.spec, task)
             rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
             qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
@@ -266,64 +274,69 @@ class _Ring:
         computed = time.perf_counter()
         for work in pending:
             work.wait()
-        self.record("forward", step, computed - start, time.perf_counter() - computed,
-                    kv.numel() * kv.element_size() if pending else 0)
-        return kv if incoming is None else incoming
+        self.record("forward", step, computed - start, time.perf_counter() - computed, sent)
+        return incoming
 
     # -- backward --------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, dlse=None):
-        """dq stays home; each block's dkv buffer follows it one step behind and, after the block's last
-        step, goes straight back to the block's owner (``steps - 1`` hops back; one hop ahead for a full lap)."""
+        """dq stays home.  A block's dK/dV buffer follows the block one step behind (each holder adds its part)
+        and, from the block's last holder, goes straight back to the block's owner."""
         acc_dtype = out.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        steps = self.plan.steps
+        own = kv = torch.stack([k, v]).contiguous()
+        steps, rank = self.plan.steps, self.comm.rank
+        mine, works = None, []  # works: every send and receive, waited for before returning
+        home_pending = []
+        if self.plan.last[rank] > 0:  # this block's gradients come home from its last holder
+            mine = torch.empty(own.shape, dtype=acc_dtype, device=q.device)
+            home_pending = [self.comm.recv(mine, -self.plan.last[rank], _HOME_TAG)]  # from rank + last
         dkv_incoming, dkv_pending = None, []
-        send_buffers = []  # keep sent tensors alive until their isend completes
         for step in range(steps):
             start = time.perf_counter()
-            kv_next, kv_pending = self.prefetch(kv, step)
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            for task in self.tasks(step):
-                spec = _task_spec(self.spec, task)
-                rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
-                qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
-                g_q, g_k, g_v = self.kernel(qs, ks, spec).backward(
-                    dout[:, rows], qs, ks, vs, out[:, rows], lse[:, :, rows], spec,
-                    None if dlse is None else dlse[:, :, rows],
-                )
-                dq[:, rows] += g_q
-                dkv[0][:, keys] += g_k
-                dkv[1][:, keys] += g_v
+            kv_next, kv_pending, sent = self.prefetch(kv, own, step)
+            if kv is not None:
+                dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+                for task in self.tasks(step):
+                    spec = _task_spec(self.spec, task)
+                    rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
+                    qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
+                    g_q, g_k, g_v = self.kernel(qs, ks, spec).backward(
+                        dout[:, rows], qs, ks, vs, out[:, rows], lse[:, :, rows], spec,
+                        None if dlse is None else dlse[:, :, rows],
+                    )
+                    dq[:, rows] += g_q
+                    dkv[0][:, keys] += g_k
+                    dkv[1][:, keys] += g_v
             computed = time.perf_counter()
-            # The buffer for this block arrives from the previous rank, which handled it last step.
-            for work in dkv_pending:
-                work.wait()
-            if dkv_incoming is not None:
-                dkv += dkv_incoming
-            if steps > 1:
-                # next comes the block this rank holds at step + 1, or after the last step its own, home
-                last = step == steps - 1
-                dkv_incoming = (self.block_like(kv, 0, acc_dtype) if last
-                                else self.block_like(kv, step + 1, acc_dtype))
-                hops = (1 - steps) % self.comm.world_size if last else 1
-                dkv_pending = self.comm.send_recv(dkv, dkv_incoming, _DKV_TAG, hops)
-                send_buffers.append(dkv)
+            if kv is not None:
+                # the part of this block's gradient from its earlier holders arrives from the previous rank
+                for work in dkv_pending:
+                    work.wait()
+                if dkv_incoming is not None:
+                    dkv += dkv_incoming
+                if step < self.plan.last[self.source(step)]:
+                    works.append(self.comm.send(dkv, 1, _DKV_TAG))
+                    sent += dkv.numel() * dkv.element_size()
+                elif step > 0:  # its last holder: straight home
+                    works.append(self.comm.send(dkv, -step, _HOME_TAG))
+                    sent += dkv.numel() * dkv.element_size()
+                else:
+                    mine = dkv  # this rank's own block, needed by no other rank
+                works.append(dkv)  # keep the sent buffer alive
+            dkv_incoming, dkv_pending = None, []
+            if self.holds(step + 1):
+                dkv_incoming = self.block_like(own, step + 1, acc_dtype)
+                dkv_pending = [self.comm.recv(dkv_incoming, 1, _DKV_TAG)]
             for work in kv_pending:
                 work.wait()
-            self.record("backward", step, computed - start, time.perf_counter() - computed,
-                        (kv.numel() * kv.element_size() if kv_pending else 0)
-                        + (dkv.numel() * dkv.element_size() if steps > 1 else 0))
-            if kv_next is not None:
-                kv = kv_next
-        if steps > 1:
-            wait_start = time.perf_counter()
-            for work in dkv_pending:
-                work.wait()
-            if self.stats is not None and self.stats.backward:
-                self.stats.backward[-1]["wait_s"] += time.perf_counter() - wait_start
-            dkv = dkv_incoming  # our own block's gradients, home
-        return dq, dkv[0], dkv[1]
+            self.record("backward", step, computed - start, time.perf_counter() - computed, sent)
+            kv = kv_next
+        wait_start = time.perf_counter()
+        for work in home_pending + [w for w in works if not isinstance(w, torch.Tensor)]:
+            work.wait()
+        if self.stats is not None and self.stats.backward:
+            self.stats.backward[-1]["wait_s"] += time.perf_counter() - wait_start
+        return dq, mine[0], mine[1]
 
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
