@@ -103,7 +103,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         if q1 - q0 > context:
             raise ValueError(f"sequence {b}: {q1 - q0} new tokens but only {context} cached positions")
+        # entries given back under a sliding window (-1) read block 0 instead: those keys are masked
         blocks = torch.tensor(block_tables[b][: -(-context // block_size)], dtype=torch.long, device=q.device)
+        blocks = blocks.clamp(min=0)
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:context]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
         if fixed[b]:

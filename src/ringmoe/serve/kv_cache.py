@@ -30,10 +30,14 @@ class Block:
     tokens: tuple[int, ...] = ()
 
 
+DROPPED = -1  # a block-table entry given back because no layer's window reaches it any more
+
+
 @dataclass
 class _Owned:
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
+    dropped: int = 0  # leading entries of ``blocks`` given back (DROPPED)
 
 
 class BlockManager:
@@ -140,12 +144,31 @@ class BlockManager:
                 block.hash, block.tokens = digest, chunk
                 self.cached[digest] = block.block_id
 
+    def drop_before(self, request_id: str, count: int) -> None:
+        """Give back the request's first ``count`` blocks: sliding-window attention never reads them again.
+
+        Their table entries become DROPPED (readers substitute any valid block: those keys are masked);
+        blocks in the prefix cache stay reusable by other requests until evicted.
+        """
+        owned = self.owned[request_id]
+        count = min(count, len(owned.blocks))
+        for index in range(owned.dropped, count):
+            block = self.blocks[owned.blocks[index]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+            owned.blocks[index] = DROPPED
+        owned.dropped = max(owned.dropped, count)
+
+    def live_blocks(self, request_id: str) -> int:
+        return len(self.owned[request_id].blocks) - self.owned[request_id].dropped
+
     def release(self, request_id: str) -> None:
         """Drop a request's references (finished, aborted or preempted); cached blocks stay reusable."""
         owned = self.owned.pop(request_id, None)
         if owned is None:
             return
-        for block_id in reversed(owned.blocks):  # the tail is freed first, so it is evicted first
+        for block_id in reversed(owned.blocks[owned.dropped:]):  # the tail is freed first, so it is evicted first
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -178,8 +201,10 @@ class BlockManager:
         """Assert the invariants (tests call this after every operation)."""
         refs = [0] * self.num_blocks
         for owned in self.owned.values():
-            assert len(set(owned.blocks)) == len(owned.blocks), "a request holds a block twice"
-            for block_id in owned.blocks:
+            live = owned.blocks[owned.dropped:]
+            assert all(b == DROPPED for b in owned.blocks[:owned.dropped]) and DROPPED not in live
+            assert len(set(live)) == len(live), "a request holds a block twice"
+            for block_id in live:
                 refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"

@@ -98,6 +98,7 @@ class ModelRunner:
     def _gather(self, index: int, table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's first ``count`` cached tokens of a request: K, V (count, kv_heads, head_dim)."""
         blocks = torch.tensor(table[: -(-count // self.block_size)], dtype=torch.long, device=self.device)
+        blocks = blocks.clamp(min=0)  # entries given back under a sliding window: outside it, never attended
         k = self.k_cache[index].index_select(0, blocks).flatten(0, 1)[:count]
         v = self.v_cache[index].index_select(0, blocks).flatten(0, 1)[:count]
         return k, v
