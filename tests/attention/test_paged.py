@@ -64,3 +64,34 @@ def test_triton_paged_kernel_matches_the_oracle(dtype):
     else:  # flash-attn's rule: at most twice the error of plain attention in the same precision
         plain = _oracle(*args, compute_dtype=dtype)
         assert err <= 2 * (plain - want).abs().max().item()
+
+
+@pytest.mark.parametrize("batch_decodes", [True, False])
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0), (40, 0)])
+def test_windows_sinks_and_batched_decodes_match_the_oracle(window, batch_decodes):
+    """Decodes (one new token) of several contexts together, prompt chunks, a dropped (-1) table entry
+    under a window, and sinks, against the float64 reference per sequence."""
+    gen = torch.Generator().manual_seed(5)
+    sequences = [(1, 9), (1, 17), (6, 14), (1, 1), (1, 30)]
+    heads, kv_heads, dim = 4, 2, 16
+    num_blocks = sum(-(-ctx // PAGE) for _, ctx in sequences) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.randn(num_blocks, PAGE, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(num_blocks, PAGE, kv_heads, dim, generator=gen, dtype=torch.float64)
+    tables = [[order.pop() for _ in range(-(-ctx // PAGE))] for _, ctx in sequences]
+    cu = [0]
+    for n, _ in sequences:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], heads, dim, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+    spec = AttentionSpec(dim**-0.5, causal=True, window_left=window[0])
+    want = []
+    for b, (n, ctx) in enumerate(sequences):
+        k = k_cache[tables[b]].flatten(0, 1)[:ctx]
+        v = v_cache[tables[b]].flatten(0, 1)[:ctx]
+        want.append(attention_reference(q[None, cu[b]:cu[b + 1]], k[None], v[None], spec, sinks=sinks)[0][0])
+    if window == (3, 0):
+        tables[4][0] = -1  # positions 0-3 of a 30-token context: outside a 4-token window, given back
+    got = paged_attention(q, k_cache, v_cache, cu, [c for _, c in sequences], tables, window_size=window,
+                          sinks=sinks, batch_decodes=batch_decodes)
+    assert (got - torch.cat(want)).abs().max() < 1e-12

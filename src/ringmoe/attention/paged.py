@@ -14,7 +14,6 @@ import importlib.util
 import torch
 
 from .api import flash_attn_func
-from .decode import decode_attention
 from .sinks import add_sinks
 
 __all__ = ["paged_attention", "invariant_causal_attention"]
@@ -79,7 +78,7 @@ def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: list[int],
                     cache_seqlens: list[int], block_tables: list[list[int]], backend: str = "auto",
                     deterministic: bool | list[bool] = False, window_size: tuple[int, int] = (-1, -1),
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, batch_decodes: bool = True) -> torch.Tensor:
     """q (total_q, heads, head_dim) -> out (total_q, heads, head_dim), causal within each sequence.
 
     backend "triton" (or "auto" on CUDA) runs the fused paged kernel (``triton_paged``), which reads
@@ -87,7 +86,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     chosen FlashAttention backend runs on them (the gathered copy is the sequence's context, not
     N x N); deterministic=True (or True for a sequence in a list) uses ``invariant_causal_attention``.
     window_size (flash-attn's, causal: (left, 0)) and sinks (heads,): as ``flash_attn_func`` (the fused
-    kernel has neither: the gathered path runs them).
+    kernel has neither: the gathered path runs them).  Sequences with one new token (decoding) run
+    together in one call; ``batch_decodes=False`` runs each alone, so its arithmetic never depends on
+    the others (the engine's deterministic mode).
     """
     block_size = k_cache.shape[1]
     if len(cu_seqlens_q) != len(cache_seqlens) + 1 or len(block_tables) != len(cache_seqlens):
@@ -97,9 +98,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not any(fixed) and plain and _use_triton(backend, q):
         return _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables)
     out = torch.empty_like(q)
+    singles = [b for b, context in enumerate(cache_seqlens)
+               if cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1 and not fixed[b]]
+    for group in ([singles] if batch_decodes else [[b] for b in singles]) if singles else []:
+        rows = [cu_seqlens_q[b] for b in group]  # one new token per sequence (decoding)
+        out[rows] = _decode_batch(q[rows], k_cache, v_cache, [cache_seqlens[b] for b in group],
+                                  [block_tables[b] for b in group], window_size[0], sinks)
+    done = set(singles)
     for b, context in enumerate(cache_seqlens):
         q0, q1 = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-        if q1 == q0:
+        if q1 == q0 or b in done:
             continue
         if q1 - q0 > context:
             raise ValueError(f"sequence {b}: {q1 - q0} new tokens but only {context} cached positions")
@@ -110,15 +118,48 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
         if fixed[b]:
             out[q0:q1] = invariant_causal_attention(q[q0:q1], k, v, window_left=window_size[0], sinks=sinks)
-        elif q1 - q0 == 1:  # one new token (decoding): every cached key, K/V heads shared without copies
-            if window_size[0] >= 0:
-                k, v = k[-(window_size[0] + 1):], v[-(window_size[0] + 1):]
-            o, lse = decode_attention(q[None, q0:q1], k[None], v[None])
-            out[q0:q1] = (add_sinks(o, lse, sinks)[0] if sinks is not None else o)[0]
         else:
             out[q0:q1] = flash_attn_func(q[None, q0:q1], k[None], v[None], causal=True, backend=backend,
                                          window_size=window_size, sinks=sinks)[0]
     return out
+
+
+def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, contexts: list[int],
+                  tables: list[list[int]], window_left: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q (n, heads, D), each row the last position of its sequence -> out (n, heads, D).
+
+    The rows' blocks are gathered in one index_select into (n, width, kv_heads, D), padded with block 0;
+    keys past a row's context, and before its window, are masked; K/V heads are shared without copies
+    (``decode_attention``'s grouping).
+    """
+    n, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = max(-(-c // block_size) for c in contexts)
+    index = torch.zeros(n, width, dtype=torch.long)
+    for row, (context, table) in enumerate(zip(contexts, tables)):
+        used = table[: -(-context // block_size)]
+        index[row, :len(used)] = torch.tensor(used, dtype=torch.long).clamp(min=0)
+    index = index.to(q.device).flatten()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # one row alone: exactly its context, so its arithmetic depends on nothing but its own keys
+    length = contexts[0] if n == 1 else width * block_size
+    keys = k_cache.index_select(0, index).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
+    values = v_cache.index_select(0, index).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
+    position = torch.arange(length, device=q.device)
+    context = torch.tensor(contexts, device=q.device)[:, None]
+    visible = position[None] < context
+    if window_left >= 0:
+        visible &= position[None] >= context - 1 - window_left
+    group = heads // kv_heads
+    qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
+    scores = torch.einsum("nhgd,nkhd->nhgk", qg, keys) * dim**-0.5                      # (n, Hkv, G, K)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                                # (n, Hkv, G)
+    out = torch.einsum("nhgk,nkhd->nhgd", torch.exp(scores - lse[..., None]), values).reshape(n, heads, dim)
+    if sinks is not None:
+        out, _ = add_sinks(out[None], lse.reshape(n, heads).T[None], sinks)
+        out = out[0]
+    return out.to(q.dtype)
 
 
 def _use_triton(backend: str, q: torch.Tensor) -> bool:

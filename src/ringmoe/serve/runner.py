@@ -138,7 +138,8 @@ class ModelRunner:
                 out[rows] = paged_attention(q[rows], self.k_cache[index], self.v_cache[index], cu,
                                             [i.start + n for i, _, n in paged], [i.tables[0] for i, _, _ in paged],
                                             self.backend,
-                                            [self.deterministic and not i.generated for i, _, _ in paged], **options)
+                                            [self.deterministic and not i.generated for i, _, _ in paged],
+                                            batch_decodes=not self.deterministic, **options)
             if decodes:
                 out_parts, lse_parts = [], []
                 for item, offset, _ in decodes:
