@@ -15,7 +15,7 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 CONFIGS = {"mixtral": preset("tiny"), "qwen3_moe": preset("tiny").replace(arch="qwen3_moe", qk_norm=True),
            "gpt-oss": preset("gpt-oss-tiny"), "qwen2-moe": preset("qwen2-moe-tiny"), "olmoe": preset("olmoe-tiny"),
-           "qwen3-moe-dense": preset("qwen3-moe-dense-tiny")}
+           "qwen3-moe-dense": preset("qwen3-moe-dense-tiny"), "deepseek_v3": preset("deepseek-v3-tiny")}
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))

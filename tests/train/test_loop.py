@@ -61,7 +61,8 @@ def test_steps_on_a_mesh_equal_one_process(cp, ep, layout, balance):
         assert any(b.abs().sum() > 0 for b in want_bias)
 
 
-@pytest.mark.parametrize("family", ["gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "qwen3-moe-dense-tiny"])
+@pytest.mark.parametrize("family", ["gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "qwen3-moe-dense-tiny",
+                                    "deepseek-v3-tiny"])
 def test_other_families_step_on_a_mesh_as_on_one_process(family):
     """gpt-oss: sinks' gradients summed over the cp ranks, windows inside packed documents through the ring,
     biases; Qwen2-MoE: the gated shared expert and a dense layer; OLMoE: qk-norm over whole projections."""

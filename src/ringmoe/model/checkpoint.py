@@ -30,7 +30,7 @@ _MOE = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
 _ROUTER = re.compile(_MOE + r"gate\.weight$")
 _EXPERT = re.compile(_MOE + r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(_MOE + r"experts\.(gate_up_proj|down_proj)(_bias)?$")
-_SHARED = re.compile(_MOE + r"shared_expert(_gate)?\.")
+_SHARED = re.compile(_MOE + r"shared_experts?(_gate)?\.")
 _ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -155,8 +155,16 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
             short = name.removeprefix("model.")
             if (m := _ROUTER.search(short)) is not None:
                 short = f"layers.{m.group(1)}.mlp.router.weight"
-            if (m := _SHARED.search(short)) is not None:  # Qwen2-MoE's shared expert and its gate
-                short = short.replace("shared_expert_gate.", "shared.gate.").replace("shared_expert.", "shared.")
+            if (m := _SHARED.search(short)) is not None:  # Qwen2-MoE's shared expert and its gate, DeepSeek's
+                short = (short.replace("shared_expert_gate.", "shared.gate.").replace("shared_experts.", "shared.")
+                         .replace("shared_expert.", "shared."))
+            if short.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's selection bias (a buffer)
+                layer = int(short.split(".")[1])
+                bias = read(name)
+                _expect_shape(name, bias, (config.num_experts,))
+                if not dry_run:
+                    layer_of(name, layer).mlp.router.correction_bias.copy_(bias.float())
+                continue
             if (m := _EXPERT.search(short)) is not None:
                 layer, expert, kind = int(m.group(1)), int(m.group(2)), _ROLE[m.group(3)]
                 if expert in layer_of(name, layer).mlp.slot_experts:

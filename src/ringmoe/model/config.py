@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf"]
 
-ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -26,6 +26,10 @@ class ModelConfig:
     "topk_softmax" (top-k logits, softmax over them: gpt-oss), ``router_bias``; ``expert_bias`` biases in
     the experts and ``swiglu_limit`` gpt-oss's clamped SwiGLU (gate and up interleaved in its checkpoints).
     ``rope_scaling``: transformers' rope_parameters beyond the theta (linear, yarn, llama3), as sorted items.
+    DeepSeek-V3: ``kv_lora_rank`` > 0 selects multi-head latent attention (``model/mla.py``) with
+    ``q_lora_rank`` (None: a plain q projection), ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
+    ``v_head_dim``; head_dim is then nope + rope and num_kv_heads = num_heads (the expanded K/V); router
+    "sigmoid_bias" with ``n_group``, ``topk_group``, ``routed_scaling_factor``.
     capacity_factor None = dropless experts.  overlap_chunks (a runtime choice, like capacity): micro-batches
     pipelined through the expert-parallel exchanges so they travel while experts compute; results do not
     depend on it.
@@ -64,6 +68,19 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     rope_scaling: tuple = ()
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -91,8 +108,13 @@ class ModelConfig:
             raise ValueError(f"dense_layers must lie in [0, {self.num_layers}), got {self.dense_layers}")
         if self.dense_layers and self.dense_ffn_size < 1:
             raise ValueError("dense_layers need dense_ffn_size >= 1")
-        if self.router not in ("softmax_topk", "topk_softmax"):
-            raise ValueError(f"router must be 'softmax_topk' or 'topk_softmax', got {self.router!r}")
+        if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_bias"):
+            raise ValueError(f"router must be 'softmax_topk', 'topk_softmax' or 'sigmoid_bias', got {self.router!r}")
+        if self.mla and (self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim
+                         or self.num_kv_heads != self.num_heads or self.v_head_dim < 1 or self.qk_rope_head_dim % 2
+                         or self.v_head_dim > self.head_dim):
+            raise ValueError("MLA needs head_dim = qk_nope_head_dim + qk_rope_head_dim (even rope part), "
+                             "num_kv_heads = num_heads and 1 <= v_head_dim <= head_dim")
         from .rope import check_rope_scaling
 
         check_rope_scaling(dict(self.rope_scaling))
@@ -112,17 +134,26 @@ class ModelConfig:
 
     @property
     def params_per_layer(self) -> dict:
-        """Parameter counts of one layer: attention, router, one expert, norms."""
+        """Parameter counts of one MoE layer: attention, router, one expert, shared experts, norms."""
         h, d = self.hidden_size, self.head_dim
-        attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads) + (2 * d if self.qk_norm else 0)
+        if self.mla:
+            heads, rank, rope, v = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+            q = h * heads * d if self.q_lora_rank is None else self.q_lora_rank * (h + heads * d + 1)
+            attention = q + h * (rank + rope) + rank + rank * heads * (self.qk_nope_head_dim + v) + heads * v * h
+        else:
+            attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads) + (2 * d if self.qk_norm else 0)
+        shared = 3 * h * self.shared_ffn_size + (h if self.shared_gated else 0)
         return {"attention": attention, "router": h * self.num_experts, "expert": 3 * h * self.ffn_size,
-                "norms": 2 * h}
+                "shared": shared, "dense_mlp": 3 * h * self.dense_ffn_size, "norms": 2 * h}
 
     def _params(self, experts_per_layer: int) -> int:
         layer = self.params_per_layer
-        per_layer = layer["attention"] + layer["router"] + layer["norms"] + experts_per_layer * layer["expert"]
+        common = layer["attention"] + layer["norms"]
+        moe = layer["router"] + layer["shared"] + experts_per_layer * layer["expert"]
+        dense = len(self.dense_layers)
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size  # + the final norm
+        return (self.num_layers * common + (self.num_layers - dense) * moe + dense * layer["dense_mlp"]
+                + embeddings + self.hidden_size)  # + the final norm
 
     @property
     def num_params(self) -> int:
@@ -163,8 +194,19 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-moe-dense-tiny": ModelConfig(arch="qwen3_moe", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                                         num_kv_heads=2, head_dim=16, ffn_size=96, num_experts=4, top_k=2,
                                         qk_norm=True, dense_layers=(0,), dense_ffn_size=128),
+    "deepseek-v3-tiny": ModelConfig(arch="deepseek_v3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=4,
+                                    num_kv_heads=4, head_dim=24, ffn_size=48, num_experts=8, top_k=2,
+                                    router="sigmoid_bias", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                    shared_ffn_size=48, dense_layers=(0,), dense_ffn_size=128, kv_lora_rank=32,
+                                    q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
     # published shapes (weights from the Hub via --checkpoint; the simulator uses the shapes)
     "mixtral-8x7b": ModelConfig(),
+    # DeepSeek-V2-Lite's shapes in the DeepSeek-V3 architecture (MLA without q compression, 64 experts top-6)
+    "deepseek-v2-lite": ModelConfig(arch="deepseek_v3", vocab_size=102400, hidden_size=2048, num_layers=27,
+                                    num_heads=16, num_kv_heads=16, head_dim=192, ffn_size=1408, num_experts=64,
+                                    top_k=6, router="sigmoid_bias", routed_scaling_factor=1.0, shared_ffn_size=2816,
+                                    dense_layers=(0,), dense_ffn_size=10944, kv_lora_rank=512, q_lora_rank=None,
+                                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
     "qwen3-30b-a3b": ModelConfig(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                                  num_kv_heads=4, head_dim=128, ffn_size=768, num_experts=128, top_k=8,
                                  normalize_topk=True, qk_norm=True, rope_theta=1e6, rms_eps=1e-6),
@@ -238,6 +280,21 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            qkv_bias=bias, o_bias=bias, attention_sinks=True, router="topk_softmax",
                            router_bias=True, expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                            swiglu_alpha=1.702, **common)
+    if model_type == "deepseek_v3":
+        nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported for DeepSeek-V3")
+        first_dense = hf.get("first_k_dense_replace", 0)
+        return ModelConfig(**{**common, "head_dim": nope + rope_dim, "num_kv_heads": heads},
+                           ffn_size=hf["moe_intermediate_size"], num_experts=hf["n_routed_experts"],
+                           normalize_topk=bool(hf.get("norm_topk_prob", True)), router="sigmoid_bias",
+                           n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                           routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                           shared_ffn_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+                           dense_layers=tuple(range(first_dense)), dense_ffn_size=hf["intermediate_size"] if first_dense else 0,
+                           kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_nope_head_dim=nope,
+                           qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
+                           rope_interleave=bool(hf.get("rope_interleave", True)))
     if model_type == "olmoe":
         if hf.get("clip_qkv") is not None:
             raise ValueError("OLMoE's clip_qkv is not supported")

@@ -53,6 +53,22 @@ def config_to_hf(config: ModelConfig, eos_token_id: int | None = None, bos_token
         return {**common, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                 "intermediate_size": config.ffn_size, "num_local_experts": config.num_experts,
                 "attention_bias": config.qkv_bias, "swiglu_limit": config.swiglu_limit, "router_aux_loss_coef": 0.0}
+    if arch == "deepseek_v3":
+        if config.router != "sigmoid_bias" or config.shared_gated:
+            raise ValueError("DeepSeek-V3 routes by sigmoid scores with a selection bias and ungated shared experts")
+        first_dense = len(config.dense_layers)
+        if config.dense_layers != tuple(range(first_dense)):
+            raise ValueError("DeepSeek-V3's dense layers are the first ones (first_k_dense_replace)")
+        return {**common, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "head_dim": config.qk_rope_head_dim, "qk_head_dim": config.head_dim,
+                "moe_intermediate_size": config.ffn_size, "intermediate_size": config.dense_ffn_size or config.ffn_size,
+                "n_routed_experts": config.num_experts, "n_shared_experts": config.shared_ffn_size // config.ffn_size,
+                "first_k_dense_replace": first_dense, "norm_topk_prob": config.normalize_topk,
+                "n_group": config.n_group, "topk_group": config.topk_group,
+                "routed_scaling_factor": config.routed_scaling_factor, "kv_lora_rank": config.kv_lora_rank,
+                "q_lora_rank": config.q_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
+                "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
+                "rope_interleave": config.rope_interleave, "attention_bias": False}
     if arch == "olmoe":
         return {**common, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
                 "intermediate_size": config.ffn_size, "num_experts": config.num_experts,
@@ -108,13 +124,16 @@ def _tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
     for index, layer in model.moe_layers():
         prefix = f"model.layers.{index}.{moe}"
         out[f"{prefix}.{router}.weight"] = layer.mlp.router.weight
+        if config.arch == "deepseek_v3":
+            out[f"{prefix}.gate.e_score_correction_bias"] = layer.mlp.router.correction_bias
         if layer.mlp.router.bias is not None:
             out[f"{prefix}.{router}.bias"] = layer.mlp.router.bias
         out.update(_expert_tensors(config, prefix, layer.mlp.experts))
         shared = layer.mlp.shared
         if shared is not None:
+            shared_name = "shared_experts" if config.arch == "deepseek_v3" else "shared_expert"
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{prefix}.shared_expert.{proj}.weight"] = getattr(shared, proj).weight
+                out[f"{prefix}.{shared_name}.{proj}.weight"] = getattr(shared, proj).weight
             if shared.gate is not None:
                 out[f"{prefix}.shared_expert_gate.weight"] = shared.gate.weight
     if config.tie_word_embeddings:

@@ -94,6 +94,9 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
 
 
+from .mla import LatentAttention  # noqa: E402  (it uses RMSNorm and apply_rope from this module)
+
+
 def _mlp(config: ModelConfig, index: int, ep_group) -> nn.Module:
     """Layer ``index``'s MLP: the MoE block, or a dense SwiGLU on the config's dense layers."""
     if not config.is_moe(index):
@@ -103,7 +106,8 @@ def _mlp(config: ModelConfig, index: int, ep_group) -> nn.Module:
                     capacity_factor=config.capacity_factor, group=ep_group, overlap_chunks=config.overlap_chunks,
                     shared_ffn_size=config.shared_ffn_size, shared_gated=config.shared_gated,
                     router_bias=config.router_bias, expert_bias=config.expert_bias,
-                    swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
+                    swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha, n_group=config.n_group,
+                    topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor)
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +115,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = LatentAttention(config) if config.mla else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.mlp = _mlp(config, index, ep_group)
 
@@ -207,8 +211,8 @@ class MoETransformer(nn.Module):
         if attend is None:
             attend = self.causal_attend(ring_stats)
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype,
-                               dict(self.config.rope_scaling))
+        rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
+        cos, sin = rope_tables(positions, rope_dim, self.config.rope_theta, x.dtype, dict(self.config.rope_scaling))
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             with activity(f"layer {index}"):

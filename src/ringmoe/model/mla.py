@@ -1,0 +1,86 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), expanded form.
+
+Queries: q = W_qb RMSNorm(W_qa x) (or W_q x without q compression), per head [q_nope | q_rope].
+Keys and values come from one compressed latent per token: [c | k_rope] = W_kva x, c normalised, then
+W_kvb c = per head [k_nope | v]; k_rope (one per token, shared by all heads) carries RoPE.  A head's
+key is [k_nope | k_rope] and its score q_nope.k_nope + q_rope.k_rope, scaled by 1/sqrt(nope + rope)
+(times YaRN's mscale^2 when the scaling says so).  Here the latent is expanded into per-head K and V
+and the ordinary attention paths run (kernels, ring, paged cache): V is padded with zeros to the key
+width so K and V share a shape, and the padding is cut from the output (exact: zero columns of V give
+zero columns of the output).
+
+RoPE is DeepSeek's interleaved layout: pairs (x0, x1), (x2, x3)... turn together, so the rope part is
+de-interleaved ([even | odd]) and rotated by the usual half-split rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..batch_invariant import InvariantLinear
+from .config import ModelConfig
+
+__all__ = ["LatentAttention", "mla_softmax_factor"]
+
+
+def mla_softmax_factor(config: ModelConfig) -> float:
+    """YaRN's mscale^2 on the softmax scale (DeepSeek: when mscale_all_dim is set), else 1."""
+    scaling = dict(config.rope_scaling)
+    if scaling.get("rope_type") != "yarn" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    mscale = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
+    return mscale * mscale
+
+
+class LatentAttention(nn.Module):
+    """MLA with transformers' DeepseekV3Attention names; ``attend`` sees expanded per-head q, k, v."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        from .transformer import RMSNorm
+
+        h, heads = config.hidden_size, config.num_heads
+        self.heads, self.nope, self.rope = heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank, self.interleave = config.v_head_dim, config.kv_lora_rank, config.rope_interleave
+        qk = self.nope + self.rope
+        if config.q_lora_rank is None:
+            self.q_proj = InvariantLinear(h, heads * qk, bias=False)
+        else:
+            self.q_a_proj = InvariantLinear(h, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
+            self.q_b_proj = InvariantLinear(config.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = InvariantLinear(h, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = InvariantLinear(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = InvariantLinear(heads * self.v_dim, h, bias=False)
+        self.sinks = None
+        # the kernels scale by 1/sqrt(nope + rope); YaRN's extra factor goes on the queries
+        self.q_factor = mla_softmax_factor(config)
+
+    def _rope(self, x, cos, sin):
+        from .transformer import apply_rope
+
+        if self.interleave:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, index: int):
+        b, s, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, s, self.heads, self.nope + self.rope)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = self._rope(q[..., self.nope:], cos, sin)
+        k_rope = self._rope(k_rope.view(b, s, 1, self.rope), cos, sin).expand(b, s, self.heads, self.rope)
+        q = torch.cat([q[..., :self.nope], q_rope], dim=-1)
+        if self.q_factor != 1.0:
+            q = q * self.q_factor
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        v = torch.nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
+        out = attend(index, q, k, v)[..., :self.v_dim]
+        return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))
