@@ -25,6 +25,11 @@ def _save(kind, path):
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                                                            intermediate_size=40, **common))
+    elif kind == "deepseek":  # MLA: the engine's cache holds latents and decoding runs in the latent space
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{
+            **common, "num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            intermediate_size=48, kv_lora_rank=12, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=6, first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=16, norm_topk_prob=True, **common))
@@ -46,7 +51,7 @@ def _hf_greedy(hf, prompt, new):
     return ids[len(prompt):]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3", "deepseek"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = _save(request.param, path)
@@ -119,7 +124,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(checkpoint):
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         Engine(load_checkpoint(path), kv_cache_bytes=100)
     c = load_checkpoint(path).config
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, float32
+    per_token = (c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4 if c.mla  # MLA: one latent + RoPE key
+                 else 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4)           # K and V, float32
     assert Engine(load_checkpoint(path), kv_cache_bytes=2**20).blocks.num_blocks == 2**20 // per_token // 16
     for prompt, params, match in [([], None, "at least one token"), ([1, VOCAB], None, "token ids must lie"),
                                   ([1] * 250, SamplingParams(max_tokens=10), "exceeds"),
@@ -147,6 +153,10 @@ def _run_one(engine, prompt, params, others=()):
 def test_deterministic_mode_is_bitwise_alone_busy_chunked_and_with_prefix_hits(checkpoint):
     path, _ = checkpoint
     model = load_checkpoint(path)  # float32: where batch-dependent rounding shows
+    if model.config.mla:
+        with pytest.raises(ValueError, match="latent attention"):
+            Engine(model, deterministic=True)
+        return
     prompt = _prompts(9)[5]
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=12, logprobs=3)
     alone = _run_one(Engine(model, deterministic=True, prefix_caching=False), prompt, params)

@@ -5,9 +5,12 @@ Keys and values come from one compressed latent per token: [c | k_rope] = W_kva 
 W_kvb c = per head [k_nope | v]; k_rope (one per token, shared by all heads) carries RoPE.  A head's
 key is [k_nope | k_rope] and its score q_nope.k_nope + q_rope.k_rope, scaled by 1/sqrt(nope + rope)
 (times YaRN's mscale^2 when the scaling says so).  Here the latent is expanded into per-head K and V
-and the ordinary attention paths run (kernels, ring, paged cache): V is padded with zeros to the key
+and the ordinary attention paths run (kernels, paged cache, the ring where it is chosen): V is padded with zeros to the key
 width so K and V share a shape, and the padding is cut from the output (exact: zero columns of V give
 zero columns of the output).
+
+Under context parallelism the model's attention offers ``attend.latent``: the ring that carries the
+latent and the RoPE key instead of K and V (``parallel/ring_mla.py``).
 
 RoPE is DeepSeek's interleaved layout: pairs (x0, x1), (x2, x3)... turn together, so the rope part is
 de-interleaved ([even | odd]) and rotated by the usual half-split rule.
@@ -20,7 +23,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..batch_invariant import InvariantLinear
+from ..batch_invariant import InvariantLinear, linear
 from .config import ModelConfig
 
 __all__ = ["LatentAttention", "mla_softmax_factor"]
@@ -61,6 +64,26 @@ class LatentAttention(nn.Module):
         # the kernels scale by 1/sqrt(nope + rope); YaRN's extra factor goes on the queries
         self.q_factor = mla_softmax_factor(config)
 
+    def _absorbed(self, q, latent, k_rope, attend, index):
+        """Attention in the latent space (serving: the cache holds [c | k_r] per token, one "K/V head").
+
+        q_nope_h . (W_uk,h c) = (W_uk,h^T q_nope_h) . c and sum_t p_t W_uv,h c_t = W_uv,h sum_t p_t c_t, so
+        each head's query becomes [W_uk,h^T q_nope_h | q_rope_h] against keys [c | k_r], the values are the
+        same vectors (their first kv_lora_rank columns are used), and W_uv,h maps the result out.  The
+        kernels scale by 1/sqrt(rank + rope): the queries are rescaled to MLA's 1/sqrt(nope + rope).
+        """
+        b, s = q.shape[:2]
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]                               # (H, nope, R), (H, v, R)
+        # per head, through ``linear`` so that the engine's deterministic mode keeps rows independent
+        q_latent = torch.stack([linear(q[:, :, h, :self.nope], w_uk[h].t()) for h in range(self.heads)], dim=2)
+        width = self.rank + self.rope
+        queries = torch.cat([q_latent, q[..., self.nope:]], dim=-1) * math.sqrt(width / (self.nope + self.rope))
+        keys = torch.cat([latent, k_rope[:, :, 0]], dim=-1)[:, :, None]               # (b, s, 1, R + rope)
+        out = attend(index, queries, keys, keys)[..., :self.rank]                      # (b, s, H, R)
+        out = torch.stack([linear(out[:, :, h], w_uv[h]) for h in range(self.heads)], dim=2)
+        return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))
+
     def _rope(self, x, cos, sin):
         from .transformer import apply_rope
 
@@ -76,11 +99,18 @@ class LatentAttention(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_rope = self._rope(q[..., self.nope:], cos, sin)
-        k_rope = self._rope(k_rope.view(b, s, 1, self.rope), cos, sin).expand(b, s, self.heads, self.rope)
+        k_rope = self._rope(k_rope.view(b, s, 1, self.rope), cos, sin)
         q = torch.cat([q[..., :self.nope], q_rope], dim=-1)
         if self.q_factor != 1.0:
             q = q * self.q_factor
-        k = torch.cat([k_nope, k_rope], dim=-1)
+        if getattr(attend, "absorbed", False):
+            return self._absorbed(q, self.kv_a_layernorm(latent), k_rope, attend, index)
+        latent_ring = getattr(attend, "latent", None)
+        if latent_ring is not None:  # the ring carries (latent, RoPE key) and expands on every rank
+            out = latent_ring(index, q, self.kv_a_layernorm(latent), k_rope[:, :, 0], self.kv_b_proj.weight,
+                              self.v_dim)
+            return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))
+        k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, self.rope)], dim=-1)
         v = torch.nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = attend(index, q, k, v)[..., :self.v_dim]
         return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))

@@ -147,6 +147,9 @@ class MoETransformer(nn.Module):
         self.mesh = mesh if mesh is not None else Mesh()
         self.layout, self.backend = layout, backend
         self.activation_checkpointing = False  # training: recompute each layer in backward (memory for compute)
+        # MLA under cp > 1: the ring carries "latent"s (fewer bytes, every rank expands every block) or
+        # "expanded" K/V (each block expanded once); see parallel/ring_mla.py and benchmarks/bench_mla.py
+        self.mla_ring = "latent"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.mesh.ep_group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -172,9 +175,18 @@ class MoETransformer(nn.Module):
         if self.mesh.cp == 1:
             return lambda index, q, k, v: flash_attn_func(q, k, v, causal=True, backend=self.backend,
                                                           **self.attention_options(index))
-        return lambda index, q, k, v: ring_flash_attn_func(
-            q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout, backend=self.backend, stats=ring_stats,
-            **self.attention_options(index))
+
+        def attend(index, q, k, v):
+            return ring_flash_attn_func(q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout,
+                                        backend=self.backend, stats=ring_stats, **self.attention_options(index))
+
+        if self.config.mla and self.mla_ring == "latent":
+            from ..parallel.ring_mla import ring_mla_attn_func
+
+            attend.latent = lambda index, q, latent, k_rope, w, v_dim: ring_mla_attn_func(
+                q, latent, k_rope, w, v_dim, group=self.mesh.cp_group, layout=self.layout, backend=self.backend,
+                stats=ring_stats)
+        return attend
 
     def packed_attend(self, cu_seqlens: torch.Tensor, max_seqlen: int, ring_stats: RingStats | None = None) -> Attend:
         """Causal attention within packed documents (int32 ``cu_seqlens``, global, the same on every rank).

@@ -202,12 +202,28 @@ def dense_plan(local_len: int, world: int, layout: str, causal: bool, window: tu
     return RingPlan([local_len] * world, lambda rank: [segments(local_len, world, rank, layout)], causal, window)
 
 
-class _Ring:
-    """Everything one call needs: the communicator, the plan, kernel choice and stats."""
+class DenseBlocks:
+    """What travels is K and V themselves, stacked: (2, batch, len, kv_heads, head_dim)."""
 
-    def __init__(self, group, plan: RingPlan, spec, backend, stats):
+    length_dim = 2
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.stack([k, v]).contiguous()
+
+    def unpack(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return block[0], block[1]
+
+    def pack_grad(self, block: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+        return torch.stack([dk, dv])
+
+
+class _Ring:
+    """Everything one call needs: the communicator, the plan, kernel choice, what travels, and stats."""
+
+    def __init__(self, group, plan: RingPlan, spec, backend, stats, blocks=None):
         self.comm = RingComm(group)
         self.plan, self.spec, self.backend, self.stats = plan, spec, backend, stats
+        self.blocks = blocks if blocks is not None else DenseBlocks()
 
     def source(self, step: int) -> int:
         """The rank whose K/V block this rank holds at ``step``."""
@@ -217,9 +233,10 @@ class _Ring:
         return self.plan.tasks(self.comm.rank, self.source(step))
 
     def block_like(self, kv: torch.Tensor, step: int, dtype=None) -> torch.Tensor:
-        """An empty (2, batch, len, heads, dim) buffer for the block this rank holds at ``step``."""
-        length = self.plan.lengths[self.source(step)]
-        return kv.new_empty((2, kv.shape[1], length, *kv.shape[3:]), dtype=dtype or kv.dtype)
+        """An empty buffer shaped like ``kv`` for the block this rank holds at ``step`` (its length may differ)."""
+        shape = list(kv.shape)
+        shape[self.blocks.length_dim] = self.plan.lengths[self.source(step)]
+        return kv.new_empty(shape, dtype=dtype or kv.dtype)
 
     def holds(self, step: int) -> bool:
         """Whether this rank receives (and uses) a block at ``step``."""
@@ -247,12 +264,13 @@ class _Ring:
         return incoming, pending, sent
 
     # -- forward ---------------------------------------------------------------
-    def forward(self, q, k, v):
+    def forward(self, q, k, v=None):
+        """q (B, L, H, D); k, v the local K/V, or with ``v`` None, ``k`` the local block as it travels."""
         batch, local_len, heads, head_dim = q.shape
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(batch, local_len, heads, head_dim, dtype=acc_dtype, device=q.device)
         lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc_dtype, device=q.device)
-        own = kv = torch.stack([k, v]).contiguous()
+        own = kv = self.blocks.pack(k, v) if v is not None else k.contiguous()
         steps = self.plan.steps
         for step in range(steps):
             with activity(f"ring forward step {step + 1}/{steps}"):
@@ -263,10 +281,12 @@ class _Ring:
         """Merge this step's K/V block (if any) into (out, lse) in place while the next travels; the next kv."""
         start = time.perf_counter()
         incoming, pending, sent = self.prefetch(kv, own, step)
-        for task in self.tasks(step) if kv is not None else []:
+        tasks = self.tasks(step) if kv is not None else []
+        k_all, v_all = self.blocks.unpack(kv) if tasks else (None, None)
+        for task in tasks:
             spec = _task_spec(self.spec, task)
             rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
-            qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
+            qs, ks, vs = q[:, rows], k_all[:, keys], v_all[:, keys]
             block_out, block_lse = self.kernel(qs, ks, spec).forward(qs, ks, vs, spec)
             out[:, rows], lse[:, :, rows] = merge_attention(
                 out[:, rows], lse[:, :, rows], block_out, block_lse.to(lse.dtype)
@@ -283,7 +303,7 @@ class _Ring:
         and, from the block's last holder, goes straight back to the block's owner."""
         acc_dtype = out.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        own = kv = torch.stack([k, v]).contiguous()
+        own = kv = self.blocks.pack(k, v) if v is not None else k.contiguous()
         steps, rank = self.plan.steps, self.comm.rank
         mine, works = None, []  # works: every send and receive, waited for before returning
         home_pending = []
@@ -295,18 +315,21 @@ class _Ring:
             start = time.perf_counter()
             kv_next, kv_pending, sent = self.prefetch(kv, own, step)
             if kv is not None:
-                dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+                k_all, v_all = self.blocks.unpack(kv)
+                dk = torch.zeros(k_all.shape, dtype=acc_dtype, device=q.device)
+                dv = torch.zeros(v_all.shape, dtype=acc_dtype, device=q.device)
                 for task in self.tasks(step):
                     spec = _task_spec(self.spec, task)
                     rows, keys = slice(task.q0, task.q1), slice(task.k0, task.k1)
-                    qs, ks, vs = q[:, rows], kv[0][:, keys], kv[1][:, keys]
+                    qs, ks, vs = q[:, rows], k_all[:, keys], v_all[:, keys]
                     g_q, g_k, g_v = self.kernel(qs, ks, spec).backward(
                         dout[:, rows], qs, ks, vs, out[:, rows], lse[:, :, rows], spec,
                         None if dlse is None else dlse[:, :, rows],
                     )
                     dq[:, rows] += g_q
-                    dkv[0][:, keys] += g_k
-                    dkv[1][:, keys] += g_v
+                    dk[:, keys] += g_k
+                    dv[:, keys] += g_v
+                dkv = self.blocks.pack_grad(kv, dk, dv).to(acc_dtype)
             computed = time.perf_counter()
             if kv is not None:
                 # the part of this block's gradient from its earlier holders arrives from the previous rank
@@ -336,7 +359,7 @@ class _Ring:
             work.wait()
         if self.stats is not None and self.stats.backward:
             self.stats.backward[-1]["wait_s"] += time.perf_counter() - wait_start
-        return dq, mine[0], mine[1]
+        return dq, mine
 
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -376,7 +399,8 @@ class _RingAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(q)
         with activity("ring attention backward"):
-            dq, dk, dv = ctx.ring.backward(dout, q, k, v, out, lse, dlse)
+            dq, dkv = ctx.ring.backward(dout, q, k, v, out, lse, dlse)
+            dk, dv = dkv[0], dkv[1]
         # this rank's rows' share of the sinks' gradient (the replicated parameter's gradients are summed later)
         dsinks = sinks_grad(dout, out, lse, sinks, dlse) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None

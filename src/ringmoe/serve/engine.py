@@ -93,7 +93,8 @@ class Engine:
             if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) or kv_cache_bytes < 1:
                 raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
             c = model.config
-            per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
+            width = c.kv_lora_rank + c.qk_rope_head_dim if c.mla else 2 * c.num_kv_heads * c.head_dim
+            per_token = c.num_layers * width * model.embed_tokens.weight.element_size()
             kv_cache_tokens = kv_cache_bytes // per_token
             if kv_cache_tokens < block_size:
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {kv_cache_tokens} tokens "
@@ -102,6 +103,8 @@ class Engine:
             raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if deterministic and model.config.mla:
+            raise ValueError("deterministic=True does not cover multi-head latent attention (DeepSeek-V3) yet")
         if deterministic and model.config.capacity_factor is not None:
             raise ValueError("deterministic=True needs dropless experts (capacity_factor=None): under a capacity a "
                              "token's experts depend on the other tokens of the step")

@@ -70,9 +70,14 @@ class ModelRunner:
         self.model, self.block_size, self.backend = model.eval(), block_size, backend
         self.deterministic = deterministic
         self.mesh, self.layout = model.mesh, model.layout
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.latent = config.mla  # MLA: the cache holds each token's latent and RoPE key, once (K = V)
+        if self.latent:
+            shape = (num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+        else:
+            shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
+        self.v_cache = self.k_cache if self.latent else [torch.zeros(shape, dtype=param.dtype, device=param.device)
+                                                          for _ in range(config.num_layers)]
         self.ring_stats = RingStats()
         self.history: list[dict] = []  # per step, when the engine records them
 
@@ -83,7 +88,8 @@ class ModelRunner:
     @property
     def bytes_per_token(self) -> int:
         first = self.k_cache[0]
-        return 2 * len(self.k_cache) * first[0, 0].numel() * first.element_size()
+        copies = 1 if self.latent else 2
+        return copies * len(self.k_cache) * first[0, 0].numel() * first.element_size()
 
     def _slots(self, table: list[int], local: range) -> list[int]:
         return [table[i // self.block_size] * self.block_size + i % self.block_size for i in local]
@@ -171,6 +177,7 @@ class ModelRunner:
                             v[offset:offset + real])
             return out[None]
 
+        attend.absorbed = self.latent  # MLA attends in the latent space: the cache is never expanded
         device = self.device
         hidden = self.model.hidden_states(torch.tensor([ids], dtype=torch.long, device=device),
                                           torch.tensor(positions, dtype=torch.long, device=device), attend)[0]

@@ -1,0 +1,97 @@
+"""The ring that carries MLA latents, on gloo ranks, against a float64 oracle of MLA (the latent expanded on
+one process, naive attention): every layout, world sizes 1-4, causal and not, forward and the gradients of
+q, the latent, the RoPE key and W_kvb (each rank holds its share of dW_kvb: their sum is the oracle's).
+The bytes it sends are those of the latents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringmoe.attention import AttentionSpec, attention_reference
+from ringmoe.parallel import LAYOUTS, RingStats, ring_flash_attn_func, shard
+from ringmoe.parallel.launch import spawn
+from ringmoe.parallel.ring_mla import LatentBlocks, ring_mla_attn_func
+
+HEADS, NOPE, ROPE, V, RANK = 4, 8, 4, 6, 10
+
+
+def _inputs(seed, seqlen, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, seqlen, HEADS, NOPE + ROPE, generator=gen, dtype=torch.float64)
+    latent = torch.randn(2, seqlen, RANK, generator=gen, dtype=torch.float64)
+    k_rope = torch.randn(2, seqlen, ROPE, generator=gen, dtype=torch.float64)
+    w = torch.randn(HEADS * (NOPE + V), RANK, generator=gen, dtype=torch.float64) * 0.3
+    dout = torch.randn(2, seqlen, HEADS, V, generator=gen, dtype=torch.float64)
+    return [x.to(dtype) for x in (q, latent, k_rope, w, dout)]
+
+
+def _oracle(q, latent, k_rope, w, dout, causal):
+    leaves = [x.clone().requires_grad_() for x in (q, latent, k_rope, w)]
+    k, v = LatentBlocks(leaves[3], HEADS, NOPE, V).unpack(torch.cat([leaves[1], leaves[2]], dim=-1))
+    out, _ = attention_reference(leaves[0], k, v, AttentionSpec((NOPE + ROPE) ** -0.5, causal))
+    out = out[..., :V]
+    out.backward(dout)
+    return out.detach(), *(x.grad for x in leaves)
+
+
+def _check(rank, world):
+    seqlen = 2 * world * 3
+    for layout in LAYOUTS:
+        for causal in (True, False):
+            q, latent, k_rope, w, dout = _inputs(hash((world, layout, causal)) % 2**31, seqlen)
+            want = _oracle(q, latent, k_rope, w, dout, causal)
+            mine = [shard(x, world, rank, layout).requires_grad_() for x in (q, latent, k_rope)]
+            weight = w.clone().requires_grad_()
+            stats = RingStats()
+            out = ring_mla_attn_func(*mine, weight, V, causal=causal, layout=layout, backend="blockwise", stats=stats)
+            out.backward(shard(dout, world, rank, layout))
+            for name, got, full in zip(("out", "dq", "dlatent", "dk_rope"), (out, *(x.grad for x in mine)),
+                                       (want[0], *want[1:4])):
+                err = (got - shard(full, world, rank, layout)).abs().max().item()
+                assert err < 1e-10, f"rank {rank} {layout} causal={causal}: {name} error {err:.3g}"
+            grad_w = weight.grad.clone()
+            dist.all_reduce(grad_w)
+            assert (grad_w - want[4]).abs().max() < 1e-10, f"rank {rank} {layout}: dW_kvb"
+            sent = stats.totals()["bytes_sent"]
+            block = 2 * (seqlen // world) * (RANK + ROPE) * 8
+            assert sent % block == 0  # whole latent blocks, never expanded K/V (the last contiguous rank: none)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_latent_ring_matches_the_mla_oracle(world):
+    assert all(spawn(_check, world, timeout=240))
+
+
+def _equals_expanded(rank, world):
+    q, latent, k_rope, w, _ = _inputs(7, 8 * world, torch.float32)
+    mine = [shard(x, world, rank, "zigzag") for x in (q, latent, k_rope)]
+    latent_stats, dense_stats = RingStats(), RingStats()
+    out = ring_mla_attn_func(*mine, w, V, stats=latent_stats)
+    k, v = LatentBlocks(w, HEADS, NOPE, V).unpack(torch.cat(mine[1:], dim=-1))
+    dense = ring_flash_attn_func(mine[0], k, v, stats=dense_stats)[..., :V]
+    assert (out - dense).abs().max() < 1e-5
+    return latent_stats.totals()["bytes_sent"], dense_stats.totals()["bytes_sent"]
+
+
+def test_latent_ring_sends_latents_not_heads():
+    for latent_bytes, dense_bytes in spawn(_equals_expanded, 2, timeout=60):
+        # per token: rank + rope = 14 numbers against 2 x heads x (nope + rope) = 96 for K and padded V
+        assert latent_bytes * 96 == dense_bytes * 14
+
+
+def _bad(rank, world):
+    q, latent, k_rope, w, _ = _inputs(1, 8)
+    with pytest.raises(ValueError, match="kv_b_weight"):
+        ring_mla_attn_func(q, latent, k_rope, w[:-1], V)
+    with pytest.raises(ValueError, match="latent"):
+        ring_mla_attn_func(q, latent[:, :4], k_rope, w, V)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == world
+
+
+def test_bad_input_is_refused_before_any_transfer():
+    assert all(spawn(_bad, 2, timeout=60))
