@@ -66,9 +66,10 @@ def test_logits_tokens_and_decoding_match_transformers(variant, tmp_path):
     assert (run.logits - teacher).abs().max() < 1e-5
 
 
-def _mesh(rank, world, path, cp, ep):
+def _mesh(rank, world, path, cp, ep, mla_ring):
     mesh = make_mesh(cp, ep)
     model = load_checkpoint(path, mesh, dtype=torch.float64)
+    model.mla_ring = mla_ring
     ids = torch.randint(0, VOCAB, (2 * ep, 28), generator=torch.Generator().manual_seed(3))
     rows = ids[mesh.batch_rows(ids.shape[0])]
     local = shard(rows, cp, mesh.cp_rank, "zigzag", dim=1) if cp > 1 else rows
@@ -76,11 +77,12 @@ def _mesh(rank, world, path, cp, ep):
     return model(local).tolist(), rows.tolist(), run.tokens.tolist(), run.logits.tolist()
 
 
-@pytest.mark.parametrize("cp,ep", [(2, 1), (1, 2), (2, 2)])
-def test_meshes_match_transformers(cp, ep, tmp_path):
+@pytest.mark.parametrize("cp,ep,mla_ring", [(2, 1, "latent"), (2, 1, "expanded"), (1, 2, "auto"), (2, 2, "latent")])
+def test_meshes_match_transformers(cp, ep, mla_ring, tmp_path):
     hf = _save("q-lora", tmp_path, seed=4)
     ids = torch.randint(0, VOCAB, (2 * ep, 28), generator=torch.Generator().manual_seed(3))
-    for rank, (logits, rows, tokens, steps) in enumerate(spawn(_mesh, cp * ep, str(tmp_path), cp, ep, timeout=180)):
+    for rank, (logits, rows, tokens, steps) in enumerate(spawn(_mesh, cp * ep, str(tmp_path), cp, ep, mla_ring,
+                                                                         timeout=180)):
         with torch.no_grad():
             want = hf(torch.tensor(rows)).logits
             teacher = hf(torch.cat([ids, torch.tensor(tokens)], dim=1)).logits[:, 27:-1]

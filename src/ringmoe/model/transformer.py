@@ -148,8 +148,12 @@ class MoETransformer(nn.Module):
         self.layout, self.backend = layout, backend
         self.activation_checkpointing = False  # training: recompute each layer in backward (memory for compute)
         # MLA under cp > 1: the ring carries "latent"s (fewer bytes, every rank expands every block) or
-        # "expanded" K/V (each block expanded once); see parallel/ring_mla.py and benchmarks/bench_mla.py
-        self.mla_ring = "latent"
+        # "expanded" K/V (each block expanded once).  "auto": latent on GPUs, expanded on CPUs.  The rule: the
+        # latent ring pays when the transfer time it saves exceeds the extra expansion, i.e. when the link's
+        # bytes/s < (expanded - latent bytes per token) x flop/s / (2 rank heads (nope + v)); for
+        # DeepSeek-V2-Lite in bf16 that is ~1 TB/s on an H100 (NVLink and InfiniBand are below it) and
+        # ~0.2 GB/s on this CPU (gloo through shared memory is above it; benchmarks/bench_mla.py measures both)
+        self.mla_ring = "auto"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.mesh.ep_group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -180,7 +184,8 @@ class MoETransformer(nn.Module):
             return ring_flash_attn_func(q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout,
                                         backend=self.backend, stats=ring_stats, **self.attention_options(index))
 
-        if self.config.mla and self.mla_ring == "latent":
+        latent = self.mla_ring == "latent" or (self.mla_ring == "auto" and self.embed_tokens.weight.is_cuda)
+        if self.config.mla and latent:
             from ..parallel.ring_mla import ring_mla_attn_func
 
             attend.latent = lambda index, q, latent, k_rope, w, v_dim: ring_mla_attn_func(

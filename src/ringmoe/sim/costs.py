@@ -46,7 +46,9 @@ def ring_step_pairs(seqlen: int, cp: int, rank: int, step: int, layout: str, cau
 
 
 def kv_block_bytes(config: ModelConfig, batch: int, local_tokens: int, element_bytes: int) -> int:
-    """One rank's K and V for one layer: what travels per ring step."""
+    """One rank's K and V for one layer: what travels per ring step (MLA: each token's latent and RoPE key)."""
+    if config.mla:
+        return batch * local_tokens * (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes
     return 2 * batch * local_tokens * config.num_kv_heads * config.head_dim * element_bytes
 
 
