@@ -21,9 +21,10 @@ def _stream():
     return PackedStream(docs, seqlen=24)
 
 
-def _run(rank, world, cp, ep, layout, balance, steps, config=CONFIG):
+def _run(rank, world, cp, ep, layout, balance, steps, config=CONFIG, mla_ring="auto"):
     mesh = make_mesh(cp, ep)
     model = MoETransformer(config, mesh, layout).double()
+    model.mla_ring = mla_ring
     model.init_weights(5, std=0.2)
     trainer = Trainer(model, TrainConfig(rows=4, lr=1e-2, warmup=2, steps=10, clip=0.05, balance=balance,
                                          aux_coef=0.1, z_coef=0.01, bias_rate=0.05), _stream())
@@ -79,6 +80,17 @@ def test_other_families_step_on_a_mesh_as_on_one_process(family):
         initial = dict(start.named_parameters())
         sinks = [n for n in want_state if n.endswith("sinks")]
         assert sinks and all((want_state[n] - initial[n]).abs().min() > 1e-6 for n in sinks)
+
+
+def test_deepseek_steps_with_the_latent_ring_equal_one_process():
+    """MLA training under cp = 2 with the ring carrying latents over packed documents (dW_kvb summed)."""
+    config = preset("deepseek-v3-tiny")
+    want_history, want_state, _ = spawn(_run, 1, 1, 1, "zigzag", "bias", 2, config, timeout=120)[0]
+    for history, state, _ in spawn(_run, 2, 2, 1, "zigzag", "bias", 2, config, "latent", timeout=240):
+        for got, want in zip(history, want_history):
+            assert abs(got["loss"] - want["loss"]) < 1e-10 and abs(got["grad_norm"] - want["grad_norm"]) < 1e-10
+        for name, value in state.items():
+            assert (value - want_state[name]).abs().max() < 1e-10, name
 
 
 def test_labels_stay_inside_documents():

@@ -184,8 +184,7 @@ class MoETransformer(nn.Module):
             return ring_flash_attn_func(q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout,
                                         backend=self.backend, stats=ring_stats, **self.attention_options(index))
 
-        latent = self.mla_ring == "latent" or (self.mla_ring == "auto" and self.embed_tokens.weight.is_cuda)
-        if self.config.mla and latent:
+        if self.config.mla and self._latent_ring():
             from ..parallel.ring_mla import ring_mla_attn_func
 
             attend.latent = lambda index, q, latent, k_rope, w, v_dim: ring_mla_attn_func(
@@ -206,9 +205,23 @@ class MoETransformer(nn.Module):
             return lambda index, q, k, v: flash_attn_varlen_func(
                 q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True, backend=self.backend,
                 **self.attention_options(index))[None]
-        return lambda index, q, k, v: ring_flash_attn_varlen_func(
-            q[0], k[0], v[0], cu_seqlens, max_seqlen, group=self.mesh.cp_group, causal=True, layout=self.layout,
-            backend=self.backend, stats=ring_stats, **self.attention_options(index))[None]
+        def attend(index, q, k, v):
+            return ring_flash_attn_varlen_func(
+                q[0], k[0], v[0], cu_seqlens, max_seqlen, group=self.mesh.cp_group, causal=True, layout=self.layout,
+                backend=self.backend, stats=ring_stats, **self.attention_options(index))[None]
+
+        if self.config.mla and self._latent_ring():
+            from ..parallel.ring_mla import ring_mla_attn_func
+
+            attend.latent = lambda index, q, latent, k_rope, w, v_dim: ring_mla_attn_func(
+                q[0], latent[0], k_rope[0], w, v_dim, group=self.mesh.cp_group, layout=self.layout,
+                backend=self.backend, stats=ring_stats, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[None]
+        return attend
+
+    def _latent_ring(self) -> bool:
+        if self.mla_ring not in ("auto", "latent", "expanded"):
+            raise ValueError(f"mla_ring must be 'auto', 'latent' or 'expanded', got {self.mla_ring!r}")
+        return self.mla_ring == "latent" or (self.mla_ring == "auto" and self.embed_tokens.weight.is_cuda)
 
     def packed_positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Positions within their documents (int64 (local_tokens,)) of this rank's rows of a packed row."""

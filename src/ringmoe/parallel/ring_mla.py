@@ -85,7 +85,8 @@ class _LatentRingAttention(torch.autograd.Function):
 def ring_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, kv_b_weight: torch.Tensor,
                        v_head_dim: int, group: dist.ProcessGroup | None = None, causal: bool = True,
                        layout: str = "zigzag", softmax_scale: float | None = None, return_lse: bool = False,
-                       backend: str = "auto", stats: RingStats | None = None):
+                       backend: str = "auto", stats: RingStats | None = None, cu_seqlens: torch.Tensor | None = None,
+                       max_seqlen: int | None = None):
     """MLA over the whole sharded sequence, the ring carrying latents.
 
     q (batch, local_len, heads, nope + rope): this rank's queries ([q_nope | q_rope], RoPE applied);
@@ -94,7 +95,23 @@ def ring_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tens
     kv_lora_rank): W_kvb, the same on every rank.  Returns out (batch, local_len, heads, v_head_dim) (and
     lse (batch, heads, local_len)), equal to ``ring_flash_attn_func`` on the expanded K/V; differentiable
     in q, latent, k_rope and kv_b_weight.  softmax_scale defaults to 1/sqrt(nope + rope).
+    Packed documents: with the *global* int32 ``cu_seqlens`` (and max_seqlen), the inputs are this rank's
+    ``shard_varlen`` rows without the batch dimension (q (local_tokens, heads, nope + rope), latent
+    (local_tokens, rank), k_rope (local_tokens, rope)) and attention stays inside each document.
     """
+    if cu_seqlens is not None:
+        if not all(isinstance(x, torch.Tensor) and x.dim() == d for x, d in ((q, 3), (latent, 2), (k_rope, 2))):
+            raise ValueError("with cu_seqlens, q must be (tokens, heads, dim), latent and k_rope (tokens, width)")
+        out, lse = _ring_mla(q[None], latent[None], k_rope[None], kv_b_weight, v_head_dim, group, causal, layout,
+                             softmax_scale, True, backend, stats, (cu_seqlens, max_seqlen))
+        return (out[0], lse[0]) if return_lse else out[0]
+    return _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout, softmax_scale, return_lse,
+                     backend, stats, None)
+
+
+def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout, softmax_scale, return_lse, backend,
+              stats, documents):
+    """ring_mla_attn_func on (batch, len, ...) inputs; ``documents`` = (cu_seqlens, max_seqlen) or None."""
     for name, x, dims in (("q", q, 4), ("latent", latent, 3), ("k_rope", k_rope, 3), ("kv_b_weight", kv_b_weight, 2)):
         if not isinstance(x, torch.Tensor) or x.dim() != dims:
             raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -111,16 +128,20 @@ def ring_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tens
                          f"{(heads * (nope + v_head_dim), latent.shape[-1])}, got {tuple(kv_b_weight.shape)}")
     if not (q.dtype == latent.dtype == k_rope.dtype):
         raise ValueError(f"q, latent, k_rope must share a dtype, got {q.dtype}, {latent.dtype}, {k_rope.dtype}")
-    check_local_length(length, layout)
     check_backend(backend)
     spec = make_spec(qk, softmax_scale, causal, (-1, -1), 0.0)
-    if not dist.is_initialized():
-        raise RuntimeError("ring_mla_attn_func needs an initialized torch.distributed process group")
     block = torch.cat([latent, k_rope], dim=-1)
-    check_same_shapes(group, q, block[:, :, None])
-    world = dist.get_world_size(group)
-    ring = _Ring(group, dense_plan(length, world, layout, causal), spec, backend, stats,
-                 LatentBlocks(kv_b_weight, heads, nope, v_head_dim))
+    if documents is not None:
+        from .varlen import varlen_plan
+
+        plan = varlen_plan(group, documents[0], documents[1], length, layout, causal, (-1, -1), q[0])
+    else:
+        check_local_length(length, layout)
+        if not dist.is_initialized():
+            raise RuntimeError("ring_mla_attn_func needs an initialized torch.distributed process group")
+        check_same_shapes(group, q, block[:, :, None])
+        plan = dense_plan(length, dist.get_world_size(group), layout, causal)
+    ring = _Ring(group, plan, spec, backend, stats, LatentBlocks(kv_b_weight, heads, nope, v_head_dim))
     with activity("latent ring attention"):
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, block, kv_b_weight)):
             out, lse = _LatentRingAttention.apply(q, block, kv_b_weight, ring)

@@ -120,6 +120,30 @@ def _check_same_documents(group, bounds: list[int], q: torch.Tensor) -> None:
                          + ", ".join(f"rank {r}: {e.tolist()[:2]}" for r, e in enumerate(every)))
 
 
+def varlen_plan(group, cu_seqlens, max_seqlen: int, local_rows: int, layout: str, causal: bool,
+                window: tuple[int, int], like: torch.Tensor) -> RingPlan:
+    """The ring's plan for packed documents, after checking them against this rank's rows.
+
+    Local checks first (cu_seqlens, layout, row count), then one small all-gather that every rank passed
+    the same documents (and ``like``'s heads and width); ValueError on every rank otherwise.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {type(cu_seqlens).__name__}")
+    total = int(cu_seqlens[-1]) if cu_seqlens.numel() else -1
+    bounds = _check_cu_seqlens("cu_seqlens", cu_seqlens.cpu(), total, max_seqlen)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("ring attention over packed documents needs an initialized torch.distributed process group")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lengths = [sum(s.length for segs in varlen_segments(bounds, world, r, layout) for s in segs) for r in range(world)]
+    if local_rows != lengths[rank]:
+        raise ValueError(f"rank {rank} holds {lengths[rank]} rows of these documents under layout={layout!r}, "
+                         f"but q has {local_rows} (use shard_varlen)")
+    _check_same_documents(group, bounds, like)
+    return RingPlan(lengths, lambda r: varlen_segments(bounds, world, r, layout), causal, window)
+
+
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                 max_seqlen: int, group: dist.ProcessGroup | None = None, causal: bool = True,
                                 layout: str = "zigzag", softmax_scale: float | None = None, return_lse: bool = False,
@@ -137,25 +161,11 @@ def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     check_qkv(q, k, v, varlen=True)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must hold the same tokens: {q.shape[0]} vs {k.shape[0]}")
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {type(cu_seqlens).__name__}")
-    total = int(cu_seqlens[-1]) if cu_seqlens.numel() else -1
-    bounds = _check_cu_seqlens("cu_seqlens", cu_seqlens.cpu(), total, max_seqlen)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check_backend(backend)
     check_sinks(sinks, q.shape[1], q)
     spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, 0.0)
     check_window_backend(backend, q[None], k[None], spec)
-    if not dist.is_initialized():
-        raise RuntimeError("ring_flash_attn_varlen_func needs an initialized torch.distributed process group")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths = [sum(s.length for segs in varlen_segments(bounds, world, r, layout) for s in segs) for r in range(world)]
-    if q.shape[0] != lengths[rank]:
-        raise ValueError(f"rank {rank} holds {lengths[rank]} rows of these documents under layout={layout!r}, "
-                         f"but q has {q.shape[0]} (use shard_varlen)")
-    _check_same_documents(group, bounds, q)
-    plan = RingPlan(lengths, lambda r: varlen_segments(bounds, world, r, layout), causal, tuple(window_size))
+    plan = varlen_plan(group, cu_seqlens, max_seqlen, q.shape[0], layout, causal, tuple(window_size), q)
     with activity("ring varlen attention"):
         out, lse = run_ring(q[None], k[None], v[None], _Ring(group, plan, spec, backend, stats), sinks)
     return (out[0], lse[0]) if return_lse else out[0]
