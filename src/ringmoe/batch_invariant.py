@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["batch_invariant", "tile_rows", "linear", "InvariantLinear"]
+__all__ = ["batch_invariant", "tile_rows", "linear", "rowwise", "InvariantLinear"]
 
 _ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringmoe_batch_invariant_rows", default=None)
 
@@ -55,6 +55,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_ROW_ALIGN = 64  # elements: a multiple of every SIMD width and unroll PyTorch's CPU loops use
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (elementwise) applied to x (..., cols), batch-invariant inside ``batch_invariant``.
+
+    PyTorch's vectorised CPU loops treat the tail of a tensor (numel not a multiple of their unrolled
+    vector) with other code, whose rounding may differ in the last bit (sigmoid, silu); which elements
+    fall in the tail depends on how many rows the tensor has.  Padding each row to a multiple of 64
+    elements puts every element at the same place of its vector whatever the row count, and leaves no tail.
+    """
+    if _ROWS.get() is None or x.shape[-1] % _ROW_ALIGN == 0:
+        return fn(x)
+    cols = x.shape[-1]
+    padded = F.pad(x, (0, -cols % _ROW_ALIGN))
+    return fn(padded)[..., :cols]
 
 
 class InvariantLinear(nn.Linear):

@@ -153,10 +153,6 @@ def _run_one(engine, prompt, params, others=()):
 def test_deterministic_mode_is_bitwise_alone_busy_chunked_and_with_prefix_hits(checkpoint):
     path, _ = checkpoint
     model = load_checkpoint(path)  # float32: where batch-dependent rounding shows
-    if model.config.mla:
-        with pytest.raises(ValueError, match="latent attention"):
-            Engine(model, deterministic=True)
-        return
     prompt = _prompts(9)[5]
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=12, logprobs=3)
     alone = _run_one(Engine(model, deterministic=True, prefix_caching=False), prompt, params)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..batch_invariant import InvariantLinear, linear
+from ..batch_invariant import InvariantLinear, linear, rowwise
 
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
@@ -34,9 +34,9 @@ def activate(h: torch.Tensor, limit: float | None = None, alpha: float = 1.702) 
     """[gate | up] (..., 2F) -> (..., F): silu(gate) * up, or gpt-oss's clamped form when ``limit`` is set."""
     gate, up = h.chunk(2, dim=-1)
     if limit is None:
-        return F.silu(gate) * up
+        return rowwise(F.silu, gate) * up
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * gate * rowwise(torch.sigmoid, gate * alpha)
 
 
 class SwiGLUExperts(nn.Module):
@@ -97,7 +97,7 @@ class SharedExpert(nn.Module):
         self.gate = InvariantLinear(hidden_size, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(rowwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
         if self.gate is not None:
-            y = torch.sigmoid(self.gate(x)) * y
+            y = rowwise(torch.sigmoid, self.gate(x)) * y
         return y

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..batch_invariant import linear
+from ..batch_invariant import linear, rowwise
 
 __all__ = ["Router", "Routing", "ROUTERS", "load_balancing_loss", "router_z_loss", "update_correction_bias"]
 
@@ -113,7 +113,7 @@ class Router(nn.Module):
             if self.normalize_topk:
                 weight = weight / weight.sum(dim=-1, keepdim=True)
             return Routing(logits, probs, idx, weight)
-        scores = torch.sigmoid(logits)
+        scores = rowwise(torch.sigmoid, logits)
         idx = self._grouped_topk(scores.detach() + self.correction_bias)
         weight = scores.gather(1, idx)
         if self.normalize_topk:

@@ -103,8 +103,6 @@ class Engine:
             raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if deterministic and model.config.mla:
-            raise ValueError("deterministic=True does not cover multi-head latent attention (DeepSeek-V3) yet")
         if deterministic and model.config.capacity_factor is not None:
             raise ValueError("deterministic=True needs dropless experts (capacity_factor=None): under a capacity a "
                              "token's experts depend on the other tokens of the step")
