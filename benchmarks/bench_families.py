@@ -136,7 +136,7 @@ def plot(data, path):
     labels = [f"{r['layout']} cp={r['cp']}\n{'window ' + str(r['window']) if r['window'] else 'full'}" for r in rows]
     right.bar(labels, [r["seconds"] for r in rows])
     right.set_ylabel(f"ring forward seconds, N={data['seqlen']}")
-    right.tick_params(axis="x", labelsize=7)
+    right.tick_params(axis="x", labelsize=7, rotation=30)
     for i, r in enumerate(rows):
         right.text(i, r["seconds"], f"{r['bytes_sent'] / 2**20:.1f} MiB sent", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
