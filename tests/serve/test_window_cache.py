@@ -3,6 +3,7 @@ while a request decodes, and the tokens and logits stay those of the whole-seque
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ringmoe.model import MoETransformer, preset
@@ -70,3 +71,41 @@ def test_a_full_layer_keeps_every_block():
     assert engine.window_reach is None
     assert outputs[0] == _greedy_reference(model, prompt, 10)
     assert live == -(-(30 + 10 - 1) // BLOCK)
+
+
+def _mesh_rank(rank, world, cp, layout, prompts, new):
+    from ringmoe.parallel import make_mesh
+
+    mesh = make_mesh(cp, 1)
+    config = preset("tiny").replace(sliding_window=WINDOW)
+    model = MoETransformer(config, mesh, layout).double()
+    model.init_weights(3, std=0.3)
+    engine = Engine(model, kv_cache_tokens=256, block_size=BLOCK)
+    if rank != 0:
+        engine.run_worker()
+        return None
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in prompts]
+    live = 0
+    while engine.has_unfinished:
+        engine.step()
+        blocks = engine.groups[0].blocks
+        blocks.check_integrity()
+        live = max([live] + [blocks.live_blocks(i) for i in ids if i in blocks.owned
+                             and engine.requests[i].num_computed > len(engine.requests[i].prompt_ids) + 8])
+    engine.shutdown()
+    return [engine.requests[i].output_ids for i in ids], live
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_out_of_window_blocks_are_freed_on_every_cp_rank(layout):
+    from ringmoe.parallel.launch import spawn
+
+    model = _model()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 33)]
+    outputs, live = spawn(_mesh_rank, 2, 2, layout, prompts, 24, timeout=120)[0]
+    for prompt, out in zip(prompts, outputs):
+        assert out == _greedy_reference(model, prompt, 24)
+    # each cp rank keeps its part of the ring-prefilled prompt only while the window reaches it; after some
+    # decoding a request holds a few blocks per rank, not its whole half of the sequence
+    assert live <= 4, live

@@ -74,7 +74,7 @@ class Engine:
     Prefix caching is used at cp = 1 (ring prefill computes whole sequences).  record_steps: keep each
     step's seconds, ring statistics and MoE statistics on every rank (``runner.history``).
 
-    Under sliding-window attention on every layer, blocks that fall out of the window are freed (cp = 1).
+    Under sliding-window attention on every layer, blocks that fall out of the window are freed.
 
     deterministic: a request's tokens and logprobs are bitwise the same whether it runs alone or among
     others, with any chunk size, with or without a prefix hit (same mesh and dtype).  Every matrix
@@ -108,8 +108,8 @@ class Engine:
                              "token's experts depend on the other tokens of the step")
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         self.deterministic = deterministic
-        # every layer windowed (Mixtral / Qwen with sliding windows everywhere): at cp = 1 a request's blocks
-        # wholly before its window are given back as it advances; one full layer keeps them all
+        # every layer windowed (Mixtral / Qwen with sliding windows everywhere): a request's blocks wholly
+        # before its window are given back as it advances (on every cp rank); one full layer keeps them all
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
         self.window_reach = max(reach) if all(r >= 0 for r in reach) else None
         num_blocks = -(-kv_cache_tokens // block_size)
@@ -234,7 +234,7 @@ class Engine:
                 request.num_computed += count
                 blocks = self.groups[g].blocks
                 blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
-                if self.window_reach is not None and hasattr(blocks, "drop_before"):
+                if self.window_reach is not None:
                     # the next query sits at num_computed and sees keys from num_computed - reach on
                     blocks.drop_before(request.request_id,
                                        max(0, request.num_computed - self.window_reach) // blocks.block_size)

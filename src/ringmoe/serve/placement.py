@@ -89,6 +89,17 @@ class ShardedBlocks:
     def register_full_blocks(self, request_id: str, tokens: list[int], num_computed: int) -> None:
         return
 
+    def drop_before(self, request_id: str, count: int) -> None:
+        """Give back, on every cp rank, the blocks that hold only positions before ``count * block_size``
+        (positions the sliding window no longer reaches; each rank keeps its positions in order)."""
+        ring_len, upto = self.ring_len[request_id], count * self.block_size
+        for rank, manager in enumerate(self.ranks):
+            held = local_count(ring_len, upto, self.cp, rank, self.layout)
+            manager.drop_before(request_id, held // self.block_size)
+
+    def live_blocks(self, request_id: str) -> int:
+        return max(m.live_blocks(request_id) for m in self.ranks)
+
     def release(self, request_id: str) -> None:
         for manager in self.ranks:
             manager.release(request_id)
