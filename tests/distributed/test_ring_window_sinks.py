@@ -99,7 +99,7 @@ def _varlen(rank, world, layout):
     sinks = torch.randn(4, generator=gen, dtype=torch.float64)
     cu = torch.tensor([0] + torch.tensor(docs).cumsum(0).tolist(), dtype=torch.int32)
     spec = AttentionSpec(8**-0.5, causal=True, window_left=4)
-    outs, grads = [], []
+    outs = []
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     s = sinks.clone().requires_grad_()
     bounds = cu.tolist()
