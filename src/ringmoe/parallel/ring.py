@@ -104,10 +104,6 @@ class BlockTask:
         return self.lo is not None or self.hi is not None
 
 
-def _floor_div(a: int, b: int) -> int:
-    return a // b
-
-
 def plan_block(q_segments: list[Segment], k_segments: list[Segment], causal: bool,
                window: tuple[int, int] = (-1, -1)) -> list[BlockTask]:
     """The kernel calls that attend a rank's queries to one K/V block; pairs that see nothing are skipped.
@@ -131,8 +127,8 @@ def plan_block(q_segments: list[Segment], k_segments: list[Segment], causal: boo
             if qs.stride != ks.stride:
                 raise ValueError("query and key segments must share a stride")
             a_b, stride = qs.start - ks.start, qs.stride
-            hi = None if right is None else _floor_div(a_b + right, stride)
-            lo = None if left is None else -_floor_div(-(a_b - left), stride)
+            hi = None if right is None else (a_b + right) // stride        # floor
+            lo = None if left is None else -((left - a_b) // stride)       # ceil((a_b - left) / stride)
             if hi is not None and (qs.length - 1 + hi < 0 or (lo is not None and lo > hi)):
                 continue  # even the last query precedes the first key, or the band is empty
             if lo is not None and lo > ks.length - 1:
