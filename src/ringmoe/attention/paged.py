@@ -87,7 +87,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     N x N); deterministic=True (or True for a sequence in a list) uses ``invariant_causal_attention``.
     window_size (flash-attn's, causal: (left, 0)) and sinks (heads,): as ``flash_attn_func`` (the fused
     kernel has neither: the gathered path runs them).  Sequences with one new token (decoding) run
-    together in one call; ``batch_decodes=False`` runs each alone, so its arithmetic never depends on
+    together, grouped by context length (``_buckets``); ``batch_decodes=False`` runs each alone, so its arithmetic never depends on
     the others (the engine's deterministic mode).
     """
     block_size = k_cache.shape[1]
@@ -100,7 +100,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     singles = [b for b, context in enumerate(cache_seqlens)
                if cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1 and not fixed[b]]
-    for group in ([singles] if batch_decodes else [[b] for b in singles]) if singles else []:
+    for group in (_buckets(singles, cache_seqlens, block_size) if batch_decodes else [[b] for b in singles]):
         rows = [cu_seqlens_q[b] for b in group]  # one new token per sequence (decoding)
         out[rows] = _decode_batch(q[rows], k_cache, v_cache, [cache_seqlens[b] for b in group],
                                   [block_tables[b] for b in group], window_size[0], sinks)
@@ -122,6 +122,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[q0:q1] = flash_attn_func(q[None, q0:q1], k[None], v[None], causal=True, backend=backend,
                                          window_size=window_size, sinks=sinks)[0]
     return out
+
+
+def _buckets(singles: list[int], contexts: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:
+    """Decoding sequences grouped by context length, so that padding a group to its longest context
+    wastes at most ``slack`` - 1 of its work (plus a block): one call per group instead of per sequence."""
+    groups: list[list[int]] = []
+    for b in sorted(singles, key=lambda b: contexts[b]):
+        if groups and contexts[b] <= slack * contexts[groups[-1][0]] + block_size:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, contexts: list[int],
