@@ -32,3 +32,62 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     finite = torch.isfinite(b)
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def assert_generation_matches(hf, ours, ids: torch.Tensor, new: int, logits_tol: float, steps_tol: float) -> None:
+    """ringmoe's ``ours`` against transformers' ``hf`` (float64, eos off): the logits of ``ids``, the greedy
+    tokens of ``new`` steps, and every decoding step's logits against the whole sequence recomputed."""
+    from ringmoe.model import generate
+
+    seqlen = ids.shape[1]
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = ours(ids)
+    assert (got - want).abs().max() < logits_tol, (got - want).abs().max()
+    hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                            pad_token_id=0)[:, seqlen:]
+    run = generate(ours, ids, new, return_logits=True)
+    assert torch.equal(run.tokens, hf_tokens)
+    with torch.no_grad():  # every decoding step (paged cache, windows, sinks, latents) vs the full recompute
+        teacher = hf(torch.cat([ids, run.tokens], dim=1)).logits[:, seqlen - 1:-1]
+    assert (run.logits - teacher).abs().max() < steps_tol, (run.logits - teacher).abs().max()
+
+
+MESH_ROWS, MESH_SEQ, MESH_VOCAB = 2, 28, 96
+
+
+def mesh_ids(ep: int) -> torch.Tensor:
+    return torch.randint(0, MESH_VOCAB, (MESH_ROWS * ep, MESH_SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def mesh_rank_run(rank, world, path, cp, ep, new, mla_ring="auto"):
+    """One rank of a checkpoint on a cp x ep mesh: its logits of ``mesh_ids``, its rows, and generation."""
+    from ringmoe.model import generate, load_checkpoint
+    from ringmoe.parallel import make_mesh, shard
+
+    mesh = make_mesh(cp, ep)
+    model = load_checkpoint(path, mesh, dtype=torch.float64)
+    model.mla_ring = mla_ring
+    ids = mesh_ids(ep)
+    rows = ids[mesh.batch_rows(ids.shape[0])]
+    local = shard(rows, cp, mesh.cp_rank, "zigzag", dim=1) if cp > 1 else rows
+    run = generate(model, ids, new, return_logits=True)
+    return model(local).tolist(), rows.tolist(), run.tokens.tolist(), run.logits.tolist()
+
+
+def assert_mesh_matches(hf, results, cp, ep, new, logits_tol: float, steps_tol: float = 1e-5) -> None:
+    """Every rank's results from ``mesh_rank_run`` against transformers: logits of its shard, greedy tokens,
+    each decoding step's logits."""
+    from ringmoe.parallel import shard
+
+    ids = mesh_ids(ep)
+    want_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)[:, MESH_SEQ:]
+    for rank, (logits, rows, tokens, steps) in enumerate(results):
+        with torch.no_grad():
+            want = hf(torch.tensor(rows)).logits
+            teacher = hf(torch.cat([ids, torch.tensor(tokens)], dim=1)).logits[:, MESH_SEQ - 1:-1]
+        want = shard(want, cp, rank // ep, "zigzag", dim=1) if cp > 1 else want
+        assert (torch.tensor(logits, dtype=torch.float64) - want).abs().max() < logits_tol, f"rank {rank}"
+        assert torch.equal(torch.tensor(tokens), want_tokens), f"rank {rank}"
+        assert (torch.tensor(steps, dtype=torch.float64) - teacher).abs().max() < steps_tol, f"rank {rank}: decode"

@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
-from ringmoe.model import generate, load_checkpoint
-from ringmoe.parallel import make_mesh, shard
+from ringmoe.model import load_checkpoint
 from ringmoe.parallel.launch import spawn
+from tests.helpers import MESH_VOCAB, assert_generation_matches, assert_mesh_matches, mesh_rank_run
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-VOCAB, SEQ = 96, 29
+VOCAB, SEQ = MESH_VOCAB, 29
 VARIANTS = {
     "q-lora": dict(q_lora_rank=16),
     "no-q-lora": dict(q_lora_rank=None),
@@ -53,39 +53,12 @@ def test_logits_tokens_and_decoding_match_transformers(variant, tmp_path):
     ours = load_checkpoint(tmp_path, dtype=torch.float64)
     assert ours.config.mla and ours.config.dense_layers == (0,)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(ids).logits
     # transformers routes (sigmoid scores) and turns RoPE in float32: agreement to float32 resolution
-    assert (ours(ids) - want).abs().max() < 1e-5, (ours(ids) - want).abs().max()
-    hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                            pad_token_id=0)[:, SEQ:]
-    run = generate(ours, ids, 5, return_logits=True)
-    assert torch.equal(run.tokens, hf_tokens)
-    with torch.no_grad():
-        teacher = hf(torch.cat([ids, run.tokens], dim=1)).logits[:, SEQ - 1:-1]
-    assert (run.logits - teacher).abs().max() < 1e-5
-
-
-def _mesh(rank, world, path, cp, ep, mla_ring):
-    mesh = make_mesh(cp, ep)
-    model = load_checkpoint(path, mesh, dtype=torch.float64)
-    model.mla_ring = mla_ring
-    ids = torch.randint(0, VOCAB, (2 * ep, 28), generator=torch.Generator().manual_seed(3))
-    rows = ids[mesh.batch_rows(ids.shape[0])]
-    local = shard(rows, cp, mesh.cp_rank, "zigzag", dim=1) if cp > 1 else rows
-    run = generate(model, ids, 3, return_logits=True)
-    return model(local).tolist(), rows.tolist(), run.tokens.tolist(), run.logits.tolist()
+    assert_generation_matches(hf, ours, ids, 5, 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("cp,ep,mla_ring", [(2, 1, "latent"), (2, 1, "expanded"), (1, 2, "auto"), (2, 2, "latent")])
 def test_meshes_match_transformers(cp, ep, mla_ring, tmp_path):
     hf = _save("q-lora", tmp_path, seed=4)
-    ids = torch.randint(0, VOCAB, (2 * ep, 28), generator=torch.Generator().manual_seed(3))
-    for rank, (logits, rows, tokens, steps) in enumerate(spawn(_mesh, cp * ep, str(tmp_path), cp, ep, mla_ring,
-                                                                         timeout=180)):
-        with torch.no_grad():
-            want = hf(torch.tensor(rows)).logits
-            teacher = hf(torch.cat([ids, torch.tensor(tokens)], dim=1)).logits[:, 27:-1]
-        want = shard(want, cp, rank // ep, "zigzag", dim=1) if cp > 1 else want
-        assert (torch.tensor(logits, dtype=torch.float64) - want).abs().max() < 1e-5, f"rank {rank}"
-        assert (torch.tensor(steps, dtype=torch.float64) - teacher).abs().max() < 1e-5, f"rank {rank}"
+    results = spawn(mesh_rank_run, cp * ep, str(tmp_path), cp, ep, 3, mla_ring, timeout=180)
+    assert_mesh_matches(hf, results, cp, ep, 3, logits_tol=1e-5)

@@ -11,14 +11,14 @@ import logging
 import pytest
 import torch
 
-from ringmoe.model import generate, load_checkpoint
-from ringmoe.parallel import make_mesh, shard
+from ringmoe.model import load_checkpoint
 from ringmoe.parallel.launch import spawn
+from tests.helpers import MESH_VOCAB, assert_generation_matches, assert_mesh_matches, mesh_rank_run
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-VOCAB, SEQ = 96, 29
+VOCAB, SEQ = MESH_VOCAB, 29
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               initializer_range=0.1, attn_implementation="eager", experts_implementation="eager")
 
@@ -75,44 +75,13 @@ def _save(family: str, path, seed: int = 0):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_greedy_tokens_match_transformers(family, tmp_path):
     hf = _save(family, tmp_path)
-    ours = load_checkpoint(tmp_path, dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(ids).logits
-    got = ours(ids)
-    assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
-    hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                            pad_token_id=0)[:, SEQ:]
-    run = generate(ours, ids, 5, return_logits=True)
-    assert torch.equal(run.tokens, hf_tokens)
-    with torch.no_grad():  # every decoding step's logits (paged cache, windows, sinks) against the full recompute
-        teacher = hf(torch.cat([ids, run.tokens], dim=1)).logits[:, SEQ - 1:-1]
-    assert (run.logits - teacher).abs().max() < 1e-6, (run.logits - teacher).abs().max()
-
-
-def _mesh_logits(rank, world, path, cp, ep):
-    mesh = make_mesh(cp, ep)
-    model = load_checkpoint(path, mesh, dtype=torch.float64)
-    ids = torch.randint(0, VOCAB, (2 * ep, 28), generator=torch.Generator().manual_seed(3))
-    rows = ids[mesh.batch_rows(ids.shape[0])]
-    local = shard(rows, cp, mesh.cp_rank, "zigzag", dim=1) if cp > 1 else rows
-    run = generate(model, ids, 4, return_logits=True)
-    return model(local).tolist(), rows.tolist(), run.tokens.tolist(), run.logits.tolist()
+    assert_generation_matches(hf, load_checkpoint(tmp_path, dtype=torch.float64), ids, 5, 1e-6, 1e-6)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "olmoe", "gpt-oss", "qwen3-dense"])
 @pytest.mark.parametrize("cp,ep", [(2, 1), (1, 2), (2, 2)])
 def test_meshes_match_transformers(family, cp, ep, tmp_path):
     hf = _save(family, tmp_path, seed=4)
-    ids = torch.randint(0, VOCAB, (2 * ep, 28), generator=torch.Generator().manual_seed(3))
-    want_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                              pad_token_id=0)[:, 28:]
-    for rank, (logits, rows, tokens, steps) in enumerate(spawn(_mesh_logits, cp * ep, str(tmp_path), cp, ep,
-                                                              timeout=180)):
-        with torch.no_grad():
-            want = hf(torch.tensor(rows)).logits
-            teacher = hf(torch.cat([ids, torch.tensor(tokens)], dim=1)).logits[:, 27:-1]
-        want = shard(want, cp, rank // ep, "zigzag", dim=1) if cp > 1 else want
-        assert (torch.tensor(logits, dtype=torch.float64) - want).abs().max() < 1e-6, f"rank {rank}"
-        assert torch.equal(torch.tensor(tokens), want_tokens), f"rank {rank}"
-        assert (torch.tensor(steps, dtype=torch.float64) - teacher).abs().max() < 1e-5, f"rank {rank}: decode logits"
+    results = spawn(mesh_rank_run, cp * ep, str(tmp_path), cp, ep, 4, timeout=180)
+    assert_mesh_matches(hf, results, cp, ep, 4, logits_tol=1e-6)
