@@ -91,3 +91,13 @@ def assert_mesh_matches(hf, results, cp, ep, new, logits_tol: float, steps_tol: 
         assert (torch.tensor(logits, dtype=torch.float64) - want).abs().max() < logits_tol, f"rank {rank}"
         assert torch.equal(torch.tensor(tokens), want_tokens), f"rank {rank}"
         assert (torch.tensor(steps, dtype=torch.float64) - teacher).abs().max() < steps_tol, f"rank {rank}: decode"
+
+
+def assert_group_still_works(world: int) -> bool:
+    """After bad input was refused: one all-reduce succeeds, so no rank had sent anything half-way."""
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+    return True

@@ -22,6 +22,13 @@ def _model(layer_types=None):
 def _run(model, prompts, new, deterministic=False, chunk=64):
     engine = Engine(model, kv_cache_tokens=512, block_size=BLOCK, max_num_batched_tokens=chunk,
                     deterministic=deterministic)
+    outputs, live = _drive(engine, prompts, new)
+    return outputs, live, engine
+
+
+def _drive(engine, prompts, new, decoded=0):
+    """Greedy requests to the end, checking the blocks every step; (outputs, the most blocks a request held
+    once ``decoded`` of its tokens past the prompt were computed)."""
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in prompts]
     live = 0
     while engine.has_unfinished:
@@ -29,8 +36,8 @@ def _run(model, prompts, new, deterministic=False, chunk=64):
         blocks = engine.groups[0].blocks
         blocks.check_integrity()
         live = max([live] + [blocks.live_blocks(i) for i in ids if i in blocks.owned
-                             and engine.requests[i].num_computed > len(engine.requests[i].prompt_ids)])
-    return [engine.requests[i].output_ids for i in ids], live, engine
+                             and engine.requests[i].num_computed > len(engine.requests[i].prompt_ids) + decoded])
+    return [engine.requests[i].output_ids for i in ids], live
 
 
 def _greedy_reference(model, prompt, new):
@@ -84,16 +91,9 @@ def _mesh_rank(rank, world, cp, layout, prompts, new):
     if rank != 0:
         engine.run_worker()
         return None
-    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in prompts]
-    live = 0
-    while engine.has_unfinished:
-        engine.step()
-        blocks = engine.groups[0].blocks
-        blocks.check_integrity()
-        live = max([live] + [blocks.live_blocks(i) for i in ids if i in blocks.owned
-                             and engine.requests[i].num_computed > len(engine.requests[i].prompt_ids) + 8])
+    result = _drive(engine, prompts, new, decoded=8)
     engine.shutdown()
-    return [engine.requests[i].output_ids for i in ids], live
+    return result
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
