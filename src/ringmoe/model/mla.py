@@ -96,20 +96,20 @@ class LatentAttention(nn.Module):
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, s, self.heads, self.nope + self.rope)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         q_rope = self._rope(q[..., self.nope:], cos, sin)
         k_rope = self._rope(k_rope.view(b, s, 1, self.rope), cos, sin)
         q = torch.cat([q[..., :self.nope], q_rope], dim=-1)
         if self.q_factor != 1.0:
             q = q * self.q_factor
-        if getattr(attend, "absorbed", False):
-            return self._absorbed(q, self.kv_a_layernorm(latent), k_rope, attend, index)
+        if getattr(attend, "absorbed", False):  # the engine's latent cache: K/V never expanded
+            return self._absorbed(q, latent, k_rope, attend, index)
         latent_ring = getattr(attend, "latent", None)
         if latent_ring is not None:  # the ring carries (latent, RoPE key) and expands on every rank
-            out = latent_ring(index, q, self.kv_a_layernorm(latent), k_rope[:, :, 0], self.kv_b_proj.weight,
-                              self.v_dim)
+            out = latent_ring(index, q, latent, k_rope[:, :, 0], self.kv_b_proj.weight, self.v_dim)
             return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))
+        k_nope, v = self.kv_b_proj(latent).view(b, s, self.heads, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, self.rope)], dim=-1)
         v = torch.nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = attend(index, q, k, v)[..., :self.v_dim]
