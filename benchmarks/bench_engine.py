@@ -47,14 +47,14 @@ def ringmoe_rank(rank, world, path, requests, new, prefix_caching=True, determin
                     deterministic=deterministic)
     engine.generate([requests[0][:16]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in requests]
-    usage, start = [], time.perf_counter()
+    usage, start, final = [], time.perf_counter(), {}
     while engine.has_unfinished:
-        engine.step()
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
         usage.append(engine.last_stats.kv_usage)
     seconds = time.perf_counter() - start
-    done = [engine.requests[i] for i in ids]
+    done = [final[i] for i in ids]
     return {"seconds": seconds, "output_tokens": sum(len(r.output_ids) for r in done),
-            "ttft_s_p50": sorted(r.timings()["ttft_s"] for r in done)[len(done) // 2],
+            "ttft_s_p50": sorted(r.timings["ttft_s"] for r in done)[len(done) // 2],
             "peak_rss_mib": peak_rss_bytes() / 2**20, "kv_usage_peak": max(usage),
             "kv_usage_mean": sum(usage) / len(usage), "prefix_hit_tokens": engine.blocks.hit_tokens,
             "tokens": [r.output_ids for r in done]}

@@ -233,6 +233,15 @@ def _add_train(sub) -> None:
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
 
 
+def _add_convert(sub) -> None:
+    convert = sub.add_parser(
+        "convert-checkpoint", help="rewrite a pickled training checkpoint of ringmoe 0.1 (rank*.pt) as safetensors + JSON",
+        description="Reads each rank*.pt of a step folder with torch.load(weights_only=True) (tensors and plain "
+                    "containers only: no code runs) and writes the folder again in the current format, in place.")
+    convert.add_argument("folder", metavar="STEP_DIR", help="e.g. out/step-000100")
+    convert.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+
+
 def _train(args) -> int:
     from rich.console import Console
 
@@ -351,6 +360,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_serve(sub)
     _add_train(sub)
+    _add_convert(sub)
     _add_bench(sub)
     for name in ("demo", "check", "simulate", "serve"):  # --debug after the command too
         sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -365,6 +375,11 @@ def _run(args) -> int:
         return _serve(args)
     if args.command == "train":
         return _train(args)
+    if args.command == "convert-checkpoint":
+        from .train.checkpoint import convert_legacy
+
+        print(f"converted {convert_legacy(args.folder)}")
+        return 0
     if args.command == "bench":
         return _bench_serve(args)
     if args.command == "attention":

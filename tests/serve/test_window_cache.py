@@ -30,14 +30,14 @@ def _drive(engine, prompts, new, decoded=0):
     """Greedy requests to the end, checking the blocks every step; (outputs, the most blocks a request held
     once ``decoded`` of its tokens past the prompt were computed)."""
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in prompts]
-    live = 0
+    live, final = 0, {}
     while engine.has_unfinished:
-        engine.step()
+        final.update((out.request_id, out.output_ids) for out in engine.step() if out.finished)
         blocks = engine.groups[0].blocks
         blocks.check_integrity()
         live = max([live] + [blocks.live_blocks(i) for i in ids if i in blocks.owned
                              and engine.requests[i].num_computed > len(engine.requests[i].prompt_ids) + decoded])
-    return [engine.requests[i].output_ids for i in ids], live
+    return [final[i] for i in ids], live
 
 
 def _greedy_reference(model, prompt, new):

@@ -65,7 +65,11 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
         raise ValueError(f"prompt must hold at least one token per row, got shape {tuple(prompt.shape)}")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    eos = _eos_ids(eos_token_id, model.config.vocab_size)
+    vocab = model.config.vocab_size
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:  # every rank checks, before any collective
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got values in "
+                         f"[{int(prompt.min())}, {int(prompt.max())}]")
+    eos = _eos_ids(eos_token_id, vocab)
     mesh = model.mesh
     batch, seqlen = prompt.shape
     mesh.batch_rows(batch)  # ValueError unless the ep groups split the batch evenly
@@ -73,7 +77,7 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
     block = 16
     engine = Engine(model, kv_cache_tokens=per_group * (-(-(seqlen + max_new_tokens) // block) + 1) * block,
                     block_size=block, max_num_seqs=per_group, max_num_batched_tokens=per_group * seqlen,
-                    prefix_caching=False, record_steps=True)
+                    prefix_caching=False, record_steps=True, return_logits=return_logits)
     report = progress or (lambda phase, done, total: None)
     result = None
     if engine.is_driver:
@@ -86,7 +90,7 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
                 if return_logits:
-                    logits[out.request_id].append(engine.requests[out.request_id].last_logits)
+                    logits[out.request_id].append(out.logits)
             report("prefill", 1, 1) if step == 0 else report("decode", step, max_new_tokens - 1)
             step += 1
         engine.shutdown()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from .sampling import SamplingParams, next_token
 from .scheduler import Scheduler
 
 __all__ = ["Engine", "StepStats"]
+
+log = logging.getLogger("ringmoe.serve")
 
 
 @dataclass
@@ -81,12 +84,17 @@ class Engine:
     product runs on fixed row tiles (``batch_invariant``) and attention on fixed key tiles
     (``attention.paged.invariant_causal_attention``); needs dropless experts (a capacity makes a
     token's experts depend on the others).
+
+    ``requests`` holds the unfinished requests only: a request that finishes (or is aborted) leaves the
+    engine with its last output, so memory stays flat however many requests pass.  return_logits: each
+    RequestOutput carries the (vocab,) float32 logits its token was drawn from (exactness checks).
+    A request whose sampling fails (NaN logits, say) ends alone with finish_reason "error".
     """
 
     def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int | None = 32768, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
-                 deterministic: bool = False, kv_cache_bytes: int | None = None):
+                 deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if kv_cache_bytes is not None:
@@ -107,7 +115,7 @@ class Engine:
             raise ValueError("deterministic=True needs dropless experts (capacity_factor=None): under a capacity a "
                              "token's experts depend on the other tokens of the step")
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
-        self.deterministic = deterministic
+        self.deterministic, self.return_logits = deterministic, return_logits
         # every layer windowed (Mixtral / Qwen with sliding windows everywhere): a request's blocks wholly
         # before its window are given back as it advances (on every cp rank); one full layer keeps them all
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
@@ -128,7 +136,10 @@ class Engine:
         self.blocks = self.groups[0].blocks  # one process: the block manager
         self.scheduler = self.groups[0]
         self.requests: dict[str, Request] = {}
-        self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        # an end-of-sequence id the model cannot produce (a tokenizer larger than the model) is dropped
+        self.eos_ids = tuple(t for t in (tokenizer.eos_token_ids if tokenizer is not None else ())
+                             if 0 <= t < model.config.vocab_size)
+        self.num_preemptions = 0  # since the start, every group
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
         self._group_of: dict[str, int] = {}
@@ -165,6 +176,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {bad[:5]}")
         if not self.is_driver:
             raise RuntimeError("requests go to the driver (rank 0); other ranks call run_worker()")
         group = min(range(len(self.groups)), key=lambda g: (len(self.groups[g].running) + len(self.groups[g].waiting),
@@ -205,6 +219,7 @@ class Engine:
         if request is None or request.status == Status.FINISHED:
             return
         self._finish(request, "abort")
+        del self.requests[request_id]
 
     @property
     def has_unfinished(self) -> bool:
@@ -244,7 +259,11 @@ class Engine:
             with torch.no_grad(), self._invariance():
                 logits = self.model.lm_head(hidden.to(self.runner.device)).float()
             outputs = [self._advance(r, row) for r, row in zip(due, logits)]
+            for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
+                if out.finished:
+                    del self.requests[out.request_id]
         self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
+        self.num_preemptions += self.last_stats.preempted
         return outputs
 
     def _work_item(self, group: int, request: Request, count: int) -> WorkItem:
@@ -312,8 +331,15 @@ class Engine:
         banned = []
         if len(request.output_ids) < params.min_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
-        request.last_logits = logits
-        choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned)
+        try:
+            choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned)
+        except Exception as error:  # this request's sampling broke (NaN logits, ...): it ends, nothing else does
+            log.error("request %s ends with an error: %s", request.request_id, error)
+            emitted_before = request.emitted
+            self._finish(request, "error")
+            return RequestOutput(request.request_id, [], request.text[emitted_before:request.emitted], True, "error",
+                                 [], list(request.output_ids), request.text[:request.emitted], request.timings(),
+                                 error=str(error))
         request.output_ids.append(choice.token)
         if params.logprobs is not None:
             request.logprobs.append(choice)
@@ -339,7 +365,8 @@ class Engine:
             request.emitted = max(request.emitted, len(request.text) - hold)
         return RequestOutput(request.request_id, [choice.token], request.text[emitted_before:request.emitted],
                              reason is not None, reason, [choice] if params.logprobs is not None else [],
-                             list(request.output_ids), request.text[:request.emitted], request.timings())
+                             list(request.output_ids), request.text[:request.emitted], request.timings(),
+                             logits=logits if self.return_logits else None)
 
     @staticmethod
     def _stop_string(request: Request) -> str | None:
@@ -356,7 +383,7 @@ class Engine:
         return "stop"
 
     def _finish(self, request: Request, reason: str) -> None:
-        self.groups[self._group_of[request.request_id]].remove(request)
+        self.groups[self._group_of.pop(request.request_id)].remove(request)
         request.status, request.finish_reason = Status.FINISHED, reason
         request.finished_at = time.monotonic()
 

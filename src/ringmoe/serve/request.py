@@ -33,11 +33,13 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[TokenChoice] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     timings: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # (vocab,) float32 the token came from (Engine(return_logits=True))
+    error: str | None = None  # finish_reason "error": what went wrong (this request alone)
 
 
 @dataclass
@@ -60,7 +62,6 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
-    last_logits: torch.Tensor | None = None  # (vocab,) float32 of the latest token (exactness checks)
 
     @property
     def all_ids(self) -> list[int]:

@@ -13,9 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "next_token", "TokenChoice", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "next_token", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits"]
 
 MAX_LOGPROBS = 20
+# below this temperature sampling is greedy (vLLM's rule): dividing logits by 1e-300 overflows to inf
+GREEDY_BELOW = 1e-5
+# temperature above this is refused: softmax(l / T) is uniform to float32 precision long before
+MAX_TEMPERATURE = 100.0
+# repetition_penalty divides (or multiplies) logits: bounded away from 0 and infinity
+PENALTY_RANGE = (1e-2, 1e2)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes as a signed 64-bit value
+
+
+class NonFiniteLogits(ValueError):
+    """The model produced NaN or +inf logits for a request: that request ends with an error, no other."""
 
 
 def _number(name, value, low=None, high=None, low_open=False):
@@ -63,14 +74,16 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        _number("temperature", self.temperature, 0.0)
+        _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _int("top_k", self.top_k, -1)
         _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _number("min_p", self.min_p, 0.0, 1.0)
-        _int("seed", self.seed, -(2**63), allow_none=True)
+        _int("seed", self.seed, SEED_RANGE[0], allow_none=True)
+        if self.seed is not None and self.seed > SEED_RANGE[1]:
+            raise ValueError(f"seed must be <= {SEED_RANGE[1]} (a signed 64-bit int), got {self.seed}")
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        _number("repetition_penalty", self.repetition_penalty, *PENALTY_RANGE)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -92,7 +105,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """temperature 0, or so close to it that dividing by it would overflow: the argmax."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -130,7 +144,8 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         ordered, order = torch.sort(probs.masked_fill(~keep, 0.0), descending=True)
         before = torch.cumsum(ordered, 0) - ordered  # mass of the better tokens
         inside = torch.zeros_like(keep)
-        inside[order] = before < params.top_p * ordered.sum()  # smallest prefix reaching top_p (first always)
+        inside[order] = before < params.top_p * ordered.sum()  # smallest prefix reaching top_p
+        inside[order[0]] = True  # the best token always (top_p * mass can round to 0 in float32)
         keep &= inside
     probs = probs.masked_fill(~keep, 0.0)
     return probs / probs.sum()
@@ -138,8 +153,13 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
                generator: torch.Generator | None, banned: list[int] = ()) -> TokenChoice:
-    """Pick the next token from one row of logits (V,) (any float dtype; computed in float32)."""
+    """Pick the next token from one row of logits (V,) (any float dtype; computed in float32).
+
+    Raises NonFiniteLogits when a logit is NaN or +inf (a broken model or input): the caller ends this
+    request alone.  -inf is a legal logit (a banned token)."""
     logits = logits.float()
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise NonFiniteLogits("the model produced NaN or inf logits for this request")
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     adjusted = penalized(logits, params, prompt, output)
     if banned:

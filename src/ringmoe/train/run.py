@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .data import unigram_entropy
 
 __all__ = ["TrainOptions", "run_training"]
@@ -82,6 +83,8 @@ def validate(options: TrainOptions) -> None:
         raise ValueError(f"--minutes must be > 0, got {options.minutes}")
     if _config(options).num_experts % options.ep:
         raise ValueError(f"--ep ({options.ep}) must divide the model's experts")
+    if options.resume:
+        checkpoint.latest(options.out)  # a dangling or incomplete latest, a pickled checkpoint: refused here
     parent = Path(options.out).expanduser().resolve().parent
     if not parent.is_dir():
         raise ValueError(f"--out {options.out}: the folder {str(parent)!r} does not exist")
@@ -121,7 +124,6 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
                progress=None) -> dict:
     from ..model import MoETransformer
     from ..parallel import make_mesh
-    from . import checkpoint
     from .data import PackedStream
     from .loop import TrainConfig, Trainer
 
@@ -136,8 +138,12 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
     trainer = Trainer(model, settings, PackedStream(train_docs, options.seqlen, eos))
     validation = PackedStream(val_docs, options.seqlen, eos)
     out = Path(options.out)
-    if options.resume and checkpoint.resume(trainer, out) and rank == 0:
-        print(f"resumed from {checkpoint.latest(out)} at step {trainer.step_count}", flush=True)
+    if options.resume:
+        resumed = checkpoint.resume(trainer, out)  # CheckpointError on a dangling or incomplete latest
+        if rank == 0:
+            print(f"resumed from {checkpoint.latest(out)} at step {trainer.step_count}" if resumed else
+                  f"--resume: {out} holds no checkpoint yet; starting from step 0", flush=True)
+    saved = trainer.step_count if options.resume else None  # the step whose checkpoint is on disk
     flops = _flops_per_token(config, options.seqlen)
     metrics = (out / "metrics.jsonl").open("a") if rank == 0 else None
     started, last_eval = time.monotonic(), None
@@ -157,6 +163,7 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
             row["val_loss"] = last_eval = trainer.evaluate(validation, options.eval_sequences)
         if trainer.step_count % options.save_every == 0:
             checkpoint.save(trainer, out)
+            saved = trainer.step_count
         if rank == 0:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
@@ -164,7 +171,8 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
                 progress.put(row)
     if last_eval is None or "val_loss" not in row:
         last_eval = trainer.evaluate(validation, options.eval_sequences)
-    checkpoint.save(trainer, out)
+    if saved != trainer.step_count:  # the last step is saved once
+        checkpoint.save(trainer, out)
     hf = checkpoint.export(model, out / "hf", tokenizer_folder, eos_token_id=eos)
     if rank == 0:
         metrics.close()
