@@ -196,6 +196,39 @@ def _add_serve(sub) -> None:
                        "cores less one, left to the HTTP loop, shared among the ranks)")
     serve.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
                        help="spawn: local ranks (default); torchrun: this process is one rank")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route "
+                       "(default: $RINGMOE_API_KEY if set; /health and /metrics stay open)")
+    _add_limit_flags(serve)
+
+
+# what each input limit of the server bounds (flags named after serve.limits.ServerLimits' fields)
+_LIMIT_HELP = {
+    "max_body_bytes": "request body size (413 past it)", "max_messages": "chat messages per request",
+    "max_stop_strings": "stop strings per request", "max_stop_chars": "characters per stop string",
+    "header_timeout_s": "seconds a connection has to send its request headers (slowloris)",
+    "body_timeout_s": "seconds a request has to send its body (408 past it)",
+    "keep_alive_s": "seconds an idle keep-alive connection stays open",
+    "limit_concurrency": "connections + requests before 503", "template_timeout_s": "seconds a chat template may "
+    "render (400 past it; its worker process is replaced)", "template_workers": "chat-template worker processes",
+    "tokenizer_threads": "threads that tokenize prompts",
+    "graceful_s": "seconds in-flight requests get after SIGTERM before they end with an error",
+    "log_requests": "log one line per request", "max_log_len": "prompt characters per logged request",
+}
+
+
+def _add_limit_flags(serve) -> None:
+    import dataclasses
+
+    from .serve.limits import ServerLimits
+
+    for f in dataclasses.fields(ServerLimits):
+        flag = "--" + f.name.replace("_", "-").removesuffix("-s")
+        if f.name == "log_requests":
+            serve.add_argument("--enable-log-requests", dest=f.name, action="store_true", help=_LIMIT_HELP[f.name])
+            continue
+        kind = int if isinstance(f.default, int) else float
+        serve.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                           help=f"{_LIMIT_HELP[f.name]} (default {f.default})")
 
 
 def _add_train(sub) -> None:
@@ -333,13 +366,19 @@ def _bench_serve(args) -> int:
 
 
 def _serve(args) -> int:
+    import dataclasses
+    import os
+
+    from .serve.limits import ServerLimits
     from .serve.service import ServeOptions, run_server
 
     options = ServeOptions(model=args.model, cp=args.cp, ep=args.ep, host=args.host, port=args.port,
                            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                           deterministic=args.deterministic, dtype=args.dtype, threads=args.threads)
+                           deterministic=args.deterministic, dtype=args.dtype, threads=args.threads,
+                           limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),
+                           api_key=args.api_key if args.api_key is not None else os.environ.get("RINGMOE_API_KEY"))
     return run_server(options, args.launcher)
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .request import RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "sampling_params", "error_body", "RequestError"]
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "sampling_params", "chat_messages", "error_body",
+           "RequestError", "ROLES"]
 
 
 class RequestError(ValueError):
@@ -67,11 +69,26 @@ class CompletionRequest(_Common):
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content: OpenAI's {"type": "text", "text": ...}; other types are refused."""
+
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict] | None = None
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message: one of the template's roles, text content (a string or text parts), an optional name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal[ROLES]
+    content: str | list[ContentPart]
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -79,6 +96,30 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+def chat_messages(request: "ChatCompletionRequest") -> list[dict]:
+    """The messages as the template sees them: {"role", "content": str[, "name"]}.  Text parts are joined
+    with newlines (as vLLM does); image, audio and file parts are refused: this server reads text."""
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise RequestError(f"messages[{i}].content[{j}]: content parts of type {part.type!r} are not "
+                                       f"supported (this model reads text)", f"messages.{i}.content.{j}.type")
+                if part.text is None:
+                    raise RequestError(f"messages[{i}].content[{j}]: a text part needs 'text'",
+                                       f"messages.{i}.content.{j}.text")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": message.role, "content": content}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    return messages
 
 
 def sampling_params(request: _Common, default_max_tokens: int) -> SamplingParams:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .limits import ServerLimits
+
 __all__ = ["ServeOptions", "run_server", "serve_rank"]
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -40,6 +43,8 @@ class ServeOptions:
     dtype: str = "float32"
     layout: str = "zigzag"
     threads: int | None = None  # intra-op threads per rank; default: the cores less one for HTTP, shared out
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    api_key: str | None = None  # every /v1 route then needs Authorization: Bearer <api_key>
 
     def threads_per_rank(self) -> int:
         """Rank 0 also runs the HTTP loop: leave it a core (busy OpenMP workers starve the event loop)."""
@@ -71,6 +76,11 @@ def validate(options: ServeOptions) -> None:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {options.dtype!r}")
     if options.layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {LAYOUTS}, got {options.layout!r}")
+    if options.api_key is not None and not options.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    if options.host not in LOOPBACK and options.api_key is None:
+        print(f"ringmoe serve: warning: binding {options.host}, beyond this machine, without --api-key: anyone "
+              f"who reaches the port can use the model", file=sys.stderr, flush=True)
     config = check_checkpoint(options.model)
     if config.num_experts % options.ep:
         raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
@@ -103,7 +113,8 @@ def _serve_driver(engine, options: ServeOptions) -> int:
         app.state.server.should_exit = True
 
     async_engine = AsyncEngine(engine, options.max_waiting, on_step=metrics.on_step, on_failure=failed).start()
-    app = build_app(async_engine, engine.tokenizer, options.name, metrics, options.max_tokens_default)
+    app = build_app(async_engine, engine.tokenizer, options.name, metrics, options.max_tokens_default,
+                    options.limits, options.api_key)
 
     def started():
         mesh = engine.mesh
@@ -111,7 +122,7 @@ def _serve_driver(engine, options: ServeOptions) -> int:
               f"(cp={mesh.cp} x ep={mesh.ep}, {options.dtype})", flush=True)
 
     try:
-        code = serve_app(app, options.host, options.port, on_started=started)
+        code = serve_app(app, options.host, options.port, options.limits, on_started=started)
     finally:
         async_engine.stop()
         async_engine.shutdown_mesh()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..jsonio import read_json
+from .template_worker import render_chat
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer"]
 
@@ -53,7 +54,18 @@ class Tokenizer:
         return ()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``.  Releases the GIL while it works (``encode`` of the tokenizers library holds
+        it; ``encode_batch`` does not), so a server thread tokenizing a long prompt stalls no other thread."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry has (its text spans at most this many characters
+        of the input, normalizers aside): a text of n characters holds at least n / max_token_chars tokens."""
+        if not hasattr(self, "_max_token_chars"):
+            self._max_token_chars = max((len(t.encode()) for t in self.backend.get_vocab(with_added_tokens=True)),
+                                        default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -66,34 +78,14 @@ class Tokenizer:
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{index}] must be an object with a string 'role'")
-        return _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        return render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token or "",
+                           self.eos_token or "")
 
 
 def _token_text(value) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised as a dict
         return value.get("content")
     return value
-
-
-_TEMPLATES: dict[str, object] = {}
-
-
-def _compile(source: str):
-    """A sandboxed jinja2 template (templates come with downloaded checkpoints), cached by source."""
-    if source not in _TEMPLATES:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        _TEMPLATES[source] = env.from_string(source)
-    return _TEMPLATES[source]
 
 
 class IncrementalDetokenizer:
