@@ -10,3 +10,5 @@ tests that ask for backend="triton".
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .served import served_checkpoint  # noqa: E402,F401  (a session fixture for tests/serve and tests/security)

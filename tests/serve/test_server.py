@@ -9,71 +9,18 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from ringmoe.parallel.launch import free_port  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
-from ringmoe.serve.bench import BenchConfig, run_benchmark, wait_healthy  # noqa: E402
+from ringmoe.serve.bench import BenchConfig, run_benchmark  # noqa: E402
 
-MODEL = "tiny-moe"
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-class Server:
-    def __init__(self, checkpoint, cp=1, ep=1, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
-             "--served-model-name", MODEL, "--cp", str(cp), "--ep", str(ep), "--kv-cache-tokens", "4096", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            wait_healthy(self.url, self.proc, 90)
-        except RuntimeError:
-            self.stop()
-            raise
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-    def ranks(self) -> list[int]:
-        return _children(self.proc.pid)
-
-    def stop(self) -> tuple[int, str]:
-        everything = [self.proc.pid] + _children(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        for pid in everything:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return self.proc.returncode, err
+from ..served import MODEL, Server, alive  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1x1", "2x2"])
@@ -256,9 +203,9 @@ def test_a_rank_killed_during_load_ends_the_mesh_server_with_the_rank_named(serv
         assert s.proc.returncode not in (0, None)
         assert "rank 2 was killed by SIGKILL" in err, err
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+        while time.monotonic() < deadline and any(alive(p) for p in ranks):
             time.sleep(0.1)
-        assert not any(_alive(p) for p in ranks)
+        assert not any(alive(p) for p in ranks)
         load.join(timeout=60)
     finally:
         s.stop()

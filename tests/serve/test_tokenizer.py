@@ -7,7 +7,7 @@ import pytest
 from ringmoe.model import MoETransformer, preset
 from ringmoe.serve import Engine, IncrementalDetokenizer, SamplingParams, Tokenizer
 
-from .conftest import CORPUS, write_tokenizer
+from ..served import CORPUS, write_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,21 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     return config
 
 
+# safetensors dtypes a weight may have; float8 codes, packed integers and the like are quantized formats whose
+# scales ringmoe does not apply: casting their codes to float would compute garbage without a word
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_QUANTIZATION_SUFFIXES = ("weight_scale_inv", "weight_scale", "_scales", "_blocks", "input_scale")
+
+
+def _check_float(name: str, dtype: str, file: Path) -> None:
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"checkpoint tensor {name!r} in {str(file)!r} is {dtype}: a quantized checkpoint, which "
+                         f"ringmoe does not load (it reads {', '.join(_FLOAT_DTYPES)} weights)")
+    if name.endswith(_QUANTIZATION_SUFFIXES):
+        raise ValueError(f"checkpoint tensor {name!r} in {str(file)!r} is a quantization scale: a quantized "
+                         f"checkpoint, which ringmoe does not load")
+
+
 def _expect_shape(name: str, tensor: torch.Tensor, shape) -> None:
     if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
@@ -130,6 +145,7 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
 
         def read(name, index=None):
             handle = handles[files[name]]
+            _check_float(name, handle.get_slice(name).get_dtype(), files[name])
             if dry_run:
                 shape = handle.get_slice(name).get_shape()
                 if index is not None:
@@ -152,6 +168,8 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
             return model.layers[number]
 
         for name in files:
+            if name.endswith(_QUANTIZATION_SUFFIXES):
+                _check_float(name, handles[files[name]].get_slice(name).get_dtype(), files[name])
             short = name.removeprefix("model.")
             if (m := _ROUTER.search(short)) is not None:
                 short = f"layers.{m.group(1)}.mlp.router.weight"

@@ -11,6 +11,12 @@ ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deeps
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+# sizes beyond the largest published models by a wide margin: a config.json past them is refused before any
+# allocation (a hostile or corrupt file asking for 1e8 layers would otherwise build them)
+LIMITS = {"vocab_size": 2**22, "hidden_size": 2**16, "num_layers": 2**10, "num_heads": 2**10, "num_kv_heads": 2**10,
+          "head_dim": 2**11, "ffn_size": 2**18, "num_experts": 2**14, "top_k": 2**8, "overlap_chunks": 2**8}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only MoE transformer: every layer is RMSNorm -> GQA attention -> RMSNorm -> MoE (or dense MLP).
@@ -88,8 +94,15 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "ffn_size", "num_experts", "top_k", "overlap_chunks"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value > LIMITS[name]:
+                raise ValueError(f"{name} = {value} is beyond what ringmoe accepts ({LIMITS[name]})")
+        for name in ("dense_ffn_size", "shared_ffn_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= LIMITS["ffn_size"]:
+                raise ValueError(f"{name} must be an int in [0, {LIMITS['ffn_size']}], got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.top_k > self.num_experts:
@@ -146,7 +159,8 @@ class ModelConfig:
         return {"attention": attention, "router": h * self.num_experts, "expert": 3 * h * self.ffn_size,
                 "shared": shared, "dense_mlp": 3 * h * self.dense_ffn_size, "norms": 2 * h}
 
-    def _params(self, experts_per_layer: int) -> int:
+    def params_with_experts(self, experts_per_layer: int) -> int:
+        """Parameters of the model holding ``experts_per_layer`` experts in each MoE layer (a rank's share)."""
         layer = self.params_per_layer
         common = layer["attention"] + layer["norms"]
         moe = layer["router"] + layer["shared"] + experts_per_layer * layer["expert"]
@@ -157,12 +171,12 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        return self._params(self.num_experts)
+        return self.params_with_experts(self.num_experts)
 
     @property
     def active_params(self) -> int:
         """Parameters one token touches (top_k experts per layer)."""
-        return self._params(self.top_k)
+        return self.params_with_experts(self.top_k)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -248,6 +262,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"config.json model_type must be one of {ARCHITECTURES}, got {model_type!r}")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported: ringmoe loads float16, "
+                         f"bfloat16 and float32 weights only")
     theta, scaling = _rope(hf)
     if scaling and dict(scaling)["rope_type"] not in ("linear", "yarn", "llama3"):
         raise ValueError(f"RoPE scaling {dict(scaling)['rope_type']!r} is not supported (linear, yarn, llama3 are)")

@@ -67,6 +67,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stack_files(world_size: int) -> tuple[dict[int, str], list[int], Path | None]:
+    """Where each rank dumps its stack on SIGUSR1: ({rank: path}, descriptors to close, folder to delete).
+
+    On Linux an anonymous in-memory file per rank (memfd), reached by every process as /proc/PID/fd/N:
+    nothing exists on disk, so even a SIGKILLed launcher leaves nothing behind.  Elsewhere a temporary folder,
+    deleted when the job stops."""
+    if hasattr(os, "memfd_create") and Path(f"/proc/{os.getpid()}/fd").is_dir():
+        fds = [os.memfd_create(f"ringmoe-rank{rank}-stack") for rank in range(world_size)]
+        return {rank: f"/proc/{os.getpid()}/fd/{fd}" for rank, fd in enumerate(fds)}, fds, None
+    folder = Path(tempfile.mkdtemp(prefix="ringmoe-stacks-"))
+    return {rank: str(folder / f"rank{rank}.stack") for rank in range(world_size)}, [], folder
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphaned ranks)."""
     with contextlib.suppress(Exception):
@@ -133,7 +146,7 @@ class _Job:
         self.ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
         self.world_size = world_size
         self.board = watchdog.ProgressBoard(self.ctx, world_size)
-        self.stack_dir = Path(tempfile.mkdtemp(prefix="ringmoe-stacks-"))
+        self.stack_files, self._stack_fds, self._stack_dir = _stack_files(world_size)
         port = free_port()
         self.readers, self.procs = [], []
         for rank in range(world_size):
@@ -141,7 +154,7 @@ class _Job:
             proc = self.ctx.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, port, backend, threads, pg_timeout, args, writer, self.board,
-                      str(self.stack_dir / f"rank{rank}.stack"), os.getpid()),
+                      self.stack_files[rank], os.getpid()),
                 daemon=True,
             )
             self.readers.append(reader)
@@ -236,7 +249,7 @@ class _Job:
 
     def stuck_report(self, why: str) -> RankFailed:
         pending = self.pending
-        culprits, found = watchdog.diagnose({r: self.procs[r].pid for r in pending}, self.board, self.stack_dir)
+        culprits, found = watchdog.diagnose({r: self.procs[r].pid for r in pending}, self.board, self.stack_files)
         first = [d for d in found if d.rank in culprits]
         rest = [d for d in found if d.rank not in culprits]
         headline = f"{why}: " + "; ".join(d.describe() for d in first)
@@ -259,7 +272,11 @@ class _Job:
         for reader in self.readers:
             reader.close()
         self.release.set()
-        shutil.rmtree(self.stack_dir, ignore_errors=True)
+        for fd in self._stack_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._stack_dir is not None:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -166,18 +166,19 @@ def _read_frames(stack_file: Path) -> list[tuple[str, int, str]]:
     return [(m["file"], int(m["line"]), m["func"]) for m in _FRAME.finditer(last)]
 
 
-def diagnose(ranks: dict[int, int], board: ProgressBoard, stack_dir: Path | None,
+def diagnose(ranks: dict[int, int], board: ProgressBoard, stack_files: dict[int, str] | None,
              answer_s: float = 0.5) -> tuple[list[int], list[RankDiagnosis]]:
-    """(culprits, every rank's diagnosis) for the unfinished ``ranks`` {rank: pid}."""
+    """(culprits, every rank's diagnosis) for the unfinished ``ranks`` {rank: pid}; stack_files: the file each
+    rank dumps its stack into on SIGUSR1."""
     for pid in ranks.values():
-        if process_state(pid) not in (None, "T", "t", "Z", "X") and stack_dir is not None:
+        if process_state(pid) not in (None, "T", "t", "Z", "X") and stack_files is not None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGUSR1)
-    if stack_dir is not None:
+    if stack_files is not None:
         time.sleep(answer_s)
     found = []
     for rank, pid in sorted(ranks.items()):
-        frames = _read_frames(stack_dir / f"rank{rank}.stack") if stack_dir is not None else []
+        frames = _read_frames(Path(stack_files[rank])) if stack_files is not None else []
         found.append(RankDiagnosis(rank, pid, process_state(pid), board.label(rank), board.counts[rank], frames))
     culprits = [d.rank for d in found if d.stopped]
     if not culprits:

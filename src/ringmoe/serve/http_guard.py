@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 
 from pydantic import BaseModel, ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -24,6 +25,7 @@ from .protocol import RequestError, error_body
 
 __all__ = ["guarded_protocol", "read_json", "ApiKeyMiddleware", "validation_error"]
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|dict|list|[A-Za-z_]+\[.*\])$")
 # bodies above this are parsed and validated in a thread (json.loads of a 16 MB body takes ~30 ms)
 _INLINE_BYTES = 64 * 1024
 
@@ -74,7 +76,8 @@ def guarded_protocol(header_timeout_s: float) -> type:
 def validation_error(error: ValidationError) -> RequestError:
     """The first pydantic error as OpenAI's 400, naming the field (``messages.0.content``)."""
     first = error.errors()[0] if error.errors() else {}
-    location = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # pydantic names the member of a union it tried ("str", "list[ContentPart]"): not part of the field's path
+    location = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_MEMBER.match(str(x))]
     param = ".".join(location) or None
     return RequestError(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
 

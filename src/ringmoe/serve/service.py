@@ -86,6 +86,25 @@ def validate(options: ServeOptions) -> None:
         raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
     if options.deterministic and config.capacity_factor is not None:
         raise ValueError("--deterministic needs dropless experts")
+    check_fits(options, config)
+
+
+def check_fits(options: ServeOptions, config, available: int | None = None) -> float:
+    """Refuse (ValueError, one line) a server whose local ranks cannot hold their weights and KV caches.
+
+    Per rank: the replicated weights, its 1/ep of the experts, and ``kv_cache_tokens`` of K/V (MLA: the latent
+    and RoPE key) in --dtype, plus a process's own overhead; local ranks share this machine's memory."""
+    from ..resources import PROCESS_OVERHEAD_BYTES, require_memory
+
+    width = DTYPES[options.dtype].itemsize
+    per_token = config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
+                                     else 2 * config.num_kv_heads * config.head_dim)
+    ranks = options.cp * options.ep
+    parts = {"weights": ranks * config.params_with_experts(config.num_experts // options.ep) * width,
+             "KV cache": ranks * options.kv_cache_tokens * per_token * width,
+             "processes": ranks * PROCESS_OVERHEAD_BYTES}
+    return require_memory(f"serving {Path(options.model).name} on {ranks} rank(s)", parts, available,
+                          advice="lower --kv-cache-tokens, raise --ep or pick a smaller --dtype")
 
 
 def _build_engine(options: ServeOptions, mesh):

@@ -1,0 +1,109 @@
+"""Serving fixtures: a small served checkpoint (a tiny Mixtral written by transformers with a real byte-level BPE
+tokenizer trained on the fly by the library's ``train_tokenizer``, a ChatML template and generation_config's
+end-of-sequence id), and ``Server``: ``ringmoe serve`` as a live process on a free 127.0.0.1 port, stopped by
+its PID (its ranks are its children)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringmoe.demo_model import train_tokenizer
+
+CORPUS = ["def add(a, b):\n    return a + b\n", "naïve café — 東京 🚀 déjà vu", "print('hello, world')\n",
+          "for i in range(10):\n    total += i * i\n", "Größe: 12 €, ½ kg 🍣🍣",
+          "The quick brown fox jumps over the lazy dog.", "Serving mixture-of-experts models across ranks."] * 20
+
+
+def write_tokenizer(path) -> int:
+    """A byte-level BPE of 384 tokens trained on CORPUS (ChatML template, EOS <|im_end|>); its vocabulary size."""
+    from tokenizers import Tokenizer
+
+    train_tokenizer(CORPUS, 384, path)
+    return Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def served_checkpoint(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    path = tmp_path_factory.mktemp("served")
+    vocab = write_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=96, initializer_range=0.1)
+    eos = json.loads((path / "generation_config.json").read_text())
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps(eos))  # save_pretrained writes its own
+    return path
+
+
+MODEL = "tiny-moe"
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+class Server:
+    """`ringmoe serve` on a free port; ``client`` is the official openai client pointed at it."""
+
+    def __init__(self, checkpoint, cp=1, ep=1, *extra, api_key: str | None = None, env: dict | None = None):
+        import openai
+
+        from ringmoe.parallel.launch import free_port
+        from ringmoe.serve.bench import wait_healthy
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
+             "--served-model-name", MODEL, "--cp", str(cp), "--ep", str(ep), "--kv-cache-tokens", "4096", *extra]
+            + (["--api-key", api_key] if api_key else []),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env={**os.environ, **(env or {})})
+        try:
+            wait_healthy(self.url, self.proc, 90)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0, timeout=60)
+
+    def ranks(self) -> list[int]:
+        return children(self.proc.pid)
+
+    def stop(self) -> tuple[int, str]:
+        everything = [self.proc.pid] + children(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        for pid in everything:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode, err
