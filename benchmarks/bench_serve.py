@@ -39,7 +39,8 @@ from ringmoe.serve.bench import BenchConfig, plot, run_benchmark, wait_healthy  
 BIN = Path(sys.executable).parent
 
 
-def start(kind: str, checkpoint: Path) -> tuple[subprocess.Popen, str, str]:
+def start(kind: str, checkpoint: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+    """A server of ``kind`` on a free port, healthy; (process, base URL, model name).  extra: ringmoe flags."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if kind.startswith("transformers"):
@@ -50,7 +51,7 @@ def start(kind: str, checkpoint: Path) -> tuple[subprocess.Popen, str, str]:
     else:
         ep = "2" if kind == "ringmoe-ep2" else "1"
         cmd = [str(BIN / "ringmoe"), "serve", "--model", str(checkpoint), "--port", str(port), "--ep", ep,
-               "--served-model-name", "demo", "--kv-cache-tokens", "65536"]
+               "--served-model-name", "demo", "--kv-cache-tokens", "65536", *extra]
         model = "demo"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -169,3 +169,31 @@ def test_deterministic_mode_is_bitwise_alone_busy_chunked_and_with_prefix_hits(c
     hit = _run_one(warm, prompt, params, _prompts(6))
     assert warm.blocks.hit_tokens >= 36
     assert alone == busy == chunked == hit
+
+
+def test_nan_logits_end_only_their_request(checkpoint):
+    """A token whose embedding is NaN poisons the requests that read it; every other request is untouched."""
+    path, want = checkpoint
+    model = load_checkpoint(path, dtype=torch.float64)
+    poison = 7
+    with torch.no_grad():
+        model.embed_tokens.weight[poison] = float("nan")
+    prompts = [p for p in _prompts() if poison not in p]
+    clean = [w for p, w in zip(_prompts(), want) if poison not in p]
+    engine = Engine(model, block_size=4)
+    bad = engine.add_request([1, poison, 3], SamplingParams(temperature=0, max_tokens=5))
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=len(w))) for p, w in zip(prompts, clean)]
+    final = {}
+    while engine.has_unfinished:
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert final[bad].finish_reason == "error" and "NaN" in final[bad].error and final[bad].output_ids == []
+    assert [final[i].output_ids for i in ids] == clean
+    assert engine.requests == {} and engine.blocks.usage == 0
+
+
+def test_stop_token_ids_past_the_vocabulary_are_refused_at_admission(checkpoint):
+    path, _ = checkpoint
+    engine = Engine(load_checkpoint(path))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=(VOCAB + 3,), min_tokens=1))
+    assert engine.requests == {} and not engine.has_unfinished

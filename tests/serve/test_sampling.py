@@ -92,3 +92,37 @@ def test_logprobs_are_the_raw_distribution_and_banned_tokens_are_never_picked():
     assert choice.token == 2  # 0 is penalised below 2, 1 is banned
     assert choice.logprob == pytest.approx(raw[2].item())
     assert [t for t, _ in choice.top] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-9, 9.99e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert params.greedy
+    for seed in range(5):
+        assert next_token(LOGITS, params, [], [], torch.Generator().manual_seed(seed)).token == 0
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-30, 1e-8])
+def test_a_vanishing_top_p_keeps_the_best_token(top_p):
+    probs = truncated_probs(LOGITS, SamplingParams(top_p=top_p))
+    assert torch.isfinite(probs).all() and probs[0] == 1 and probs[1:].sum() == 0
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-320), ("repetition_penalty", 1e300),
+                                          ("temperature", 1e300), ("seed", 2**63), ("seed", -(2**63) - 1)])
+def test_values_that_would_overflow_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_non_finite_logits_raise_their_own_error_and_minus_inf_is_a_legal_logit():
+    from ringmoe.serve.sampling import NonFiniteLogits
+
+    for bad in (float("nan"), float("inf")):
+        logits = LOGITS.clone()
+        logits[3] = bad
+        with pytest.raises(NonFiniteLogits):
+            next_token(logits, SamplingParams(temperature=0), [], [], None)
+    logits = LOGITS.clone()
+    logits[0] = float("-inf")
+    assert next_token(logits, SamplingParams(temperature=0), [], [], None).token == 1

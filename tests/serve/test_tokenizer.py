@@ -64,3 +64,16 @@ def test_stop_strings_across_token_boundaries_and_streamed_text(folder):
     assert final.request_id == rid and final.finish_reason == "stop"
     assert final.text == free.text[:free.text.index(stop)] == streamed
     assert stop not in streamed
+
+
+def test_min_tokens_is_a_floor_on_the_encoding(folder):
+    import random
+
+    tok = Tokenizer(folder)
+    rng = random.Random(7)
+    alphabet = "".join(CORPUS) + "<|im_start|><|im_end|>"
+    texts = list(CORPUS) + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3000))) for _ in range(50)]
+    texts += ["    " * 400, "<|im_end|>" * 30, "é" * 999]
+    for text in texts:
+        assert tok.min_tokens(text) <= len(tok.encode(text, add_special_tokens=False)), text[:40]
+    assert tok.min_tokens("x" * 10**6) > 10**6 // 100  # and it is not vacuous

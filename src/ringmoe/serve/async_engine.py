@@ -112,8 +112,9 @@ class AsyncEngine:
                         self._pending -= 1
                     try:
                         engine.add_request(prompt_ids, params, request_id=request_id)
-                    except (ValueError, TypeError) as error:
-                        self._deliver(request_id, error)
+                    except Exception as error:  # this request is refused; the engine goes on
+                        self._deliver(request_id, error if isinstance(error, (ValueError, TypeError))
+                                      else ValueError(f"the request could not be admitted: {error}"))
                         self._streams.pop(request_id, None)
                 while True:
                     try:

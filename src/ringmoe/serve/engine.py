@@ -327,19 +327,25 @@ class Engine:
             dist.broadcast_object_list([None], src=0)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+        """Sample ``request``'s next token and apply its stop rules; if anything of that fails (NaN logits, a
+        token its detokenizer cannot take...), the request ends alone with finish_reason "error"."""
+        emitted_before = request.emitted
+        try:
+            return self._sample(request, logits)
+        except Exception as error:
+            log.error("request %s ends with an error: %s", request.request_id, error)
+            if request.status != Status.FINISHED:
+                self._finish(request, "error")
+            return RequestOutput(request.request_id, [], request.text[emitted_before:request.emitted], True, "error",
+                                 [], list(request.output_ids), request.text[:request.emitted], request.timings(),
+                                 error=str(error))
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         params = request.params
         banned = []
         if len(request.output_ids) < params.min_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
-        try:
-            choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned)
-        except Exception as error:  # this request's sampling broke (NaN logits, ...): it ends, nothing else does
-            log.error("request %s ends with an error: %s", request.request_id, error)
-            emitted_before = request.emitted
-            self._finish(request, "error")
-            return RequestOutput(request.request_id, [], request.text[emitted_before:request.emitted], True, "error",
-                                 [], list(request.output_ids), request.text[:request.emitted], request.timings(),
-                                 error=str(error))
+        choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned)
         request.output_ids.append(choice.token)
         if params.logprobs is not None:
             request.logprobs.append(choice)

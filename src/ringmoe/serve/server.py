@@ -72,7 +72,7 @@ class _Frontend:
                     self.tokenizer.chat_template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or "",
                     self.limits.template_workers, self.limits.template_timeout_s,
                     line_limit=8 * self.limits.max_body_bytes + 2**20).start()
-            await asyncio.get_running_loop().run_in_executor(self.pool, lambda: self.tokenizer.max_token_chars)
+            await asyncio.get_running_loop().run_in_executor(self.pool, self.tokenizer.min_tokens, "")
 
     async def stop(self) -> None:
         if self.templates is not None:
@@ -85,9 +85,7 @@ class _Frontend:
         return min(self.scheduler.max_model_len, self.scheduler.capacity)
 
     async def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
-        # a token's text spans at most max_token_chars characters: a longer text cannot fit (normalizers that
-        # expand characters aside, hence the factor 4); refused before any tokenizer time is spent on it
-        floor = len(text) // (4 * self.tokenizer.max_token_chars)
+        floor = self.tokenizer.min_tokens(text)  # a text that cannot fit is refused before tokenizer time is spent
         if floor > self.context:
             raise RequestError(f"{field} has {len(text)} characters, at least {floor} tokens: more than this "
                                f"server's context of {self.context} tokens", field)

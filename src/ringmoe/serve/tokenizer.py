@@ -58,14 +58,15 @@ class Tokenizer:
         it; ``encode_batch`` does not), so a server thread tokenizing a long prompt stalls no other thread."""
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    @property
-    def max_token_chars(self) -> int:
-        """The most characters one token's vocabulary entry has (its text spans at most this many characters
-        of the input, normalizers aside): a text of n characters holds at least n / max_token_chars tokens."""
-        if not hasattr(self, "_max_token_chars"):
-            self._max_token_chars = max((len(t.encode()) for t in self.backend.get_vocab(with_added_tokens=True)),
-                                        default=1)
-        return self._max_token_chars
+    def min_tokens(self, text: str) -> int:
+        """A floor on len(encode(text)) that costs nothing: one token's vocabulary entry spans at most its own
+        length in characters of the input (byte-level BPE: one character per byte; Metaspace: one per
+        character), so a text holds at least len(text) / (longest entry) tokens; a normalizer may expand
+        characters (NFKC), hence a margin of 4 when there is one."""
+        if not hasattr(self, "_longest_entry"):
+            self._longest_entry = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        margin = 1 if self.backend.normalizer is None else 4
+        return len(text) // (self._longest_entry * margin)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
