@@ -101,3 +101,15 @@ def assert_group_still_works(world: int) -> bool:
     dist.all_reduce(t)
     assert t.item() == world
     return True
+
+
+def save_tiny_mixtral(path, seed: int = 0):
+    """A tiny random Mixtral (vocab 64, 2 layers, 4 experts top-2) written by transformers' save_pretrained."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=40)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return path

@@ -14,15 +14,15 @@ PAGE = 4
 SEQUENCES = [(1, 9), (13, 13), (5, 22), (1, 1), (7, 30)]
 
 
-def _paged_case(seed, heads=4, kv_heads=2, dim=16, dtype=torch.float32):
+def _paged_case(seed, heads=4, kv_heads=2, dim=16, dtype=torch.float32, sequences=SEQUENCES):
     gen = torch.Generator().manual_seed(seed)
-    pages_needed = sum(-(-ctx // PAGE) for _, ctx in SEQUENCES)
+    pages_needed = sum(-(-ctx // PAGE) for _, ctx in sequences)
     num_blocks = pages_needed + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()  # blocks scattered over the cache
     k_cache = torch.randn(num_blocks, PAGE, kv_heads, dim, generator=gen, dtype=torch.float64)
     v_cache = torch.randn(num_blocks, PAGE, kv_heads, dim, generator=gen, dtype=torch.float64)
     tables, cu, contexts = [], [0], []
-    for n, ctx in SEQUENCES:
+    for n, ctx in sequences:
         tables.append([order.pop() for _ in range(-(-ctx // PAGE))])
         cu.append(cu[-1] + n)
         contexts.append(ctx)
@@ -95,3 +95,21 @@ def test_windows_sinks_and_batched_decodes_match_the_oracle(window, batch_decode
     got = paged_attention(q, k_cache, v_cache, cu, [c for _, c in sequences], tables, window_size=window,
                           sinks=sinks, batch_decodes=batch_decodes)
     assert (got - torch.cat(want)).abs().max() < 1e-12
+
+
+def test_stale_nan_in_a_block_never_reaches_another_sequence():
+    """Slots past a sequence's context (a partly filled last block, padding of a batched decode) may hold what a
+    request that produced NaN left there: they must add exact zeros, not NaN."""
+    # three decodes batched in one call (contexts within 25% + a block), padded to the longest; and a prompt
+    (q, k_cache, v_cache, cu, contexts, tables), want = _paged_case(4, sequences=[(1, 9), (1, 11), (1, 12), (6, 6)])
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for table, ctx in zip(tables, contexts):
+        k_cache.view(-1, *k_cache.shape[2:])[[table[-1] * PAGE + i for i in range(ctx % PAGE or PAGE, PAGE)]] = \
+            float("nan")
+        v_cache.view(-1, *v_cache.shape[2:])[[table[-1] * PAGE + i for i in range(ctx % PAGE or PAGE, PAGE)]] = \
+            float("nan")
+    free = sorted(set(range(k_cache.shape[0])) - {b for t in tables for b in t})
+    k_cache[free], v_cache[free] = float("nan"), float("nan")  # blocks no sequence owns (batched-decode padding)
+    got = paged_attention(q, k_cache, v_cache, cu, contexts, tables, backend="blockwise")
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 1e-5

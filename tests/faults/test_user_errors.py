@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ringmoe.cli import main
+from tests.helpers import save_tiny_mixtral
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -38,13 +39,7 @@ def _argparse_error(capsys, argv) -> str:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny Mixtral written by transformers (2 layers, 4 experts)."""
-    path = tmp_path_factory.mktemp("mixtral")
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                     intermediate_size=40)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny_mixtral(tmp_path_factory.mktemp("mixtral"))
 
 
 def _copy(checkpoint, tmp_path):

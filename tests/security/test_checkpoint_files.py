@@ -15,6 +15,7 @@ import torch
 from ringmoe.cli import main
 from ringmoe.model import check_checkpoint, load_checkpoint
 from ringmoe.serve.service import ServeOptions, check_fits
+from tests.helpers import save_tiny_mixtral
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -22,13 +23,8 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mixtral")
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                     intermediate_size=40)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
-    return path
+    """A tiny Mixtral written by transformers (2 layers, 4 experts)."""
+    return save_tiny_mixtral(tmp_path_factory.mktemp("mixtral"))
 
 
 def _variant(checkpoint, tmp_path, config=None, tensors=None):

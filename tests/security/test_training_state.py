@@ -68,7 +68,8 @@ def test_a_crafted_pickle_never_runs(tmp_path):
     with pytest.raises(CheckpointError, match="not converted"):
         convert_legacy(step)
     assert not marker.exists()
-    assert (step / "rank0.pt").is_file()  # a refused conversion leaves the folder as it was
+    assert sorted(p.name for p in step.parent.iterdir()) == ["latest", "step-000002"]  # nothing written
+    assert [p.name for p in step.iterdir()] == ["rank0.pt"]  # a refused conversion leaves the folder as it was
 
 
 def test_a_pickled_checkpoint_of_the_old_format_converts_and_resumes_exactly(tmp_path):

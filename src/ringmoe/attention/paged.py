@@ -116,6 +116,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         blocks = blocks.clamp(min=0)
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:context]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
+        if min(block_tables[b][: -(-context // block_size)], default=0) < 0:  # stale block 0 under a window:
+            given_back = torch.tensor(block_tables[b][: -(-context // block_size)], device=q.device) < 0
+            v = v.masked_fill(given_back.repeat_interleave(block_size)[:context, None, None], 0.0)  # zero, not NaN
         if fixed[b]:
             out[q0:q1] = invariant_causal_attention(q[q0:q1], k, v, window_left=window_size[0], sinks=sinks)
         else:
@@ -162,6 +165,9 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     visible = position[None] < context
     if window_left >= 0:
         visible &= position[None] >= context - 1 - window_left
+    # slots past a row's context hold whatever their block held before (another request's K/V, padding): a
+    # zero weight times a stale NaN is NaN, so those values are zeroed, not only their scores masked
+    values = values.masked_fill(~visible[:, :, None, None], 0.0)
     group = heads // kv_heads
     qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
     scores = torch.einsum("nhgd,nkhd->nhgk", qg, keys) * dim**-0.5                      # (n, Hkv, G, K)

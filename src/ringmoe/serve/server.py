@@ -126,6 +126,9 @@ class _Frontend:
         if len(stops) > self.limits.max_stop_strings or any(len(s) > self.limits.max_stop_chars for s in stops):
             raise RequestError(f"stop takes at most {self.limits.max_stop_strings} strings of at most "
                                f"{self.limits.max_stop_chars} characters", "stop")
+        vocab = self.engine.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise RequestError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         sampling_params(body, self.default_max_tokens)  # the fields' errors first, before tokenizing
 
     async def prepare(self, body, chat: bool):
@@ -137,12 +140,8 @@ class _Frontend:
         params = sampling_params(body, max(1, min(self.default_max_tokens, self.context - len(ids))))
         try:
             self.scheduler.check_admissible(len(ids), params.max_tokens)
-            bad = [t for t in params.stop_token_ids if not 0 <= t < self.engine.engine.model.config.vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids must lie in [0, {self.engine.engine.model.config.vocab_size})")
         except ValueError as error:
-            raise RequestError(str(error), "stop_token_ids" if "stop_token_ids" in str(error) else "prompt") \
-                from None
+            raise RequestError(str(error), "prompt") from None
         return ids, params
 
     # -- the response -----------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..model import MoETransformer
+from ..model import ModelConfig, MoETransformer
 from ..model.export import save_pretrained
 from .loop import Trainer
 
@@ -95,10 +95,10 @@ def _point_latest(out: Path, name: str) -> None:
 
 
 # -- what a rank's state is, as tensors + JSON ----------------------------------------------------------
-def _state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict]:
-    model = trainer.model
-    tensors = {f"model/{name}": value.detach().contiguous() for name, value in model.state_dict().items()}
-    optimizer = trainer.optimizer.state_dict()
+def _as_files(model_state: dict, optimizer: dict, rng: torch.Tensor, **meta) -> tuple[dict[str, torch.Tensor], dict]:
+    """A rank's state as (safetensors tensors, JSON): the optimizer's per-parameter tensors go with the tensors,
+    its numbers and hyper-parameters with the JSON."""
+    tensors = {f"model/{name}": value.detach().contiguous() for name, value in model_state.items()}
     scalars: dict[str, dict] = {}
     for index, entry in optimizer["state"].items():
         for key, value in entry.items():
@@ -106,18 +106,20 @@ def _state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[f"optimizer/{index}/{key}"] = value.detach().contiguous()
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    tensors["rng"] = torch.get_rng_state()
-    meta = {
-        "format": FORMAT, "step": trainer.step_count, "position": trainer.position,
-        "mesh": [model.mesh.cp, model.mesh.ep], "config": _config_json(model),
-        "optimizer": {"param_groups": optimizer["param_groups"], "scalars": scalars},
-        "scheduler": trainer.scheduler.state_dict(),
-    }
-    return tensors, meta
+    tensors["rng"] = rng
+    return tensors, {"format": FORMAT, **meta,
+                     "optimizer": {"param_groups": optimizer["param_groups"], "scalars": scalars}}
 
 
-def _config_json(model: MoETransformer) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(model.config)))
+def _state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict]:
+    model = trainer.model
+    return _as_files(model.state_dict(), trainer.optimizer.state_dict(), torch.get_rng_state(),
+                     step=trainer.step_count, position=trainer.position, mesh=[model.mesh.cp, model.mesh.ep],
+                     config=_config_json(model.config), scheduler=trainer.scheduler.state_dict())
+
+
+def _config_json(config) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
 def _load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], meta: dict, folder: Path) -> None:
@@ -127,8 +129,8 @@ def _load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], meta: dict, 
     if tuple(meta["mesh"]) != (model.mesh.cp, model.mesh.ep):
         raise CheckpointError(f"checkpoint {str(folder)!r} was written on a cp x ep = {tuple(meta['mesh'])} mesh; "
                               f"this run is {model.mesh.cp} x {model.mesh.ep}")
-    if meta["config"] != _config_json(model):
-        changed = sorted(k for k, v in _config_json(model).items() if meta["config"].get(k) != v)
+    if meta["config"] != _config_json(model.config):
+        changed = sorted(k for k, v in _config_json(model.config).items() if meta["config"].get(k) != v)
         raise CheckpointError(f"checkpoint {str(folder)!r} holds another model (fields that differ: {changed})")
     model.load_state_dict({name[len("model/"):]: value for name, value in tensors.items()
                            if name.startswith("model/")})
@@ -152,8 +154,6 @@ def _load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], meta: dict, 
 # -- save / find / resume ----------------------------------------------------------------------------
 def save(trainer: Trainer, out: str | Path) -> Path:
     """Every rank writes its state; returns the checkpoint folder (collective).  Atomic: see the module."""
-    from safetensors.torch import save_file
-
     model, out = trainer.model, Path(out)
     name = f"step-{trainer.step_count:06d}"
     staging, final = out / f"{name}.tmp", out / name
@@ -163,20 +163,30 @@ def save(trainer: Trainer, out: str | Path) -> Path:
     _barrier(model)
     tensors, meta = _state(trainer)
     rank = _rank()
-    save_file(tensors, str(staging / f"rank{rank}.safetensors"))
-    _fsync(staging / f"rank{rank}.safetensors")
-    _write_text(staging / f"rank{rank}.json", json.dumps(meta))
+    _write_rank(staging, f"rank{rank}", tensors, meta)
     _barrier(model)
     if rank == 0:
-        files = {f.name: f.stat().st_size for f in sorted(staging.iterdir())}
-        _write_text(staging / MANIFEST, json.dumps({"format": FORMAT, "step": trainer.step_count,
-                                                    "ranks": model.mesh.size, "files": files}))
-        _fsync(staging)
+        _write_manifest(staging, trainer.step_count, model.mesh.size)
         aside = _replace_folder(staging, final)
         _point_latest(out, name)
         shutil.rmtree(aside, ignore_errors=True)
     _barrier(model)
     return final
+
+
+def _write_rank(folder: Path, name: str, tensors: dict, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    _fsync(folder / f"{name}.safetensors")
+    _write_text(folder / f"{name}.json", json.dumps(meta))
+
+
+def _write_manifest(folder: Path, step: int, ranks: int) -> None:
+    """Last into a staging folder: every file and its size (what makes the folder complete)."""
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
+    _write_text(folder / MANIFEST, json.dumps({"format": FORMAT, "step": step, "ranks": ranks, "files": files}))
+    _fsync(folder)
 
 
 def _is_complete(folder: Path) -> bool:
@@ -246,10 +256,6 @@ def convert_legacy(folder: str | Path) -> Path:
 
     The pickles are read with ``torch.load(weights_only=True)``: only tensors, numbers, strings and
     containers can come out (the one class allowed besides is ringmoe's frozen ModelConfig)."""
-    from safetensors.torch import save_file
-
-    from ..model.config import ModelConfig
-
     folder = Path(folder)
     ranks = sorted(folder.glob("rank*.pt"))
     if not ranks:
@@ -262,28 +268,14 @@ def convert_legacy(folder: str | Path) -> Path:
             with torch.serialization.safe_globals([ModelConfig]):
                 old = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as error:  # the unpickler met something other than tensors and containers
+            shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(f"{str(path)!r} holds more than tensors and plain data, so it is not converted: "
                                   f"{str(error).splitlines()[0]}") from None
-        tensors = {f"model/{k}": v.contiguous() for k, v in old["model"].items()}
-        scalars: dict[str, dict] = {}
-        for index, entry in old["optimizer"]["state"].items():
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"optimizer/{index}/{key}"] = value.contiguous()
-                else:
-                    scalars.setdefault(str(index), {})[key] = value
-        tensors["rng"] = old["rng"]
-        meta = {"format": FORMAT, "step": old["step"], "position": old["position"], "mesh": list(old["mesh"]),
-                "config": json.loads(json.dumps(dataclasses.asdict(old["config"]))),
-                "optimizer": {"param_groups": old["optimizer"]["param_groups"], "scalars": scalars},
-                "scheduler": old["scheduler"]}
-        rank = path.stem
-        save_file(tensors, str(staging / f"{rank}.safetensors"))
-        _fsync(staging / f"{rank}.safetensors")
-        _write_text(staging / f"{rank}.json", json.dumps(meta))
-    files = {f.name: f.stat().st_size for f in sorted(staging.iterdir())}
-    _write_text(staging / MANIFEST, json.dumps({"format": FORMAT, "step": meta["step"], "ranks": len(ranks),
-                                                "files": files}))
+        tensors, meta = _as_files(old["model"], old["optimizer"], old["rng"], step=old["step"],
+                                  position=old["position"], mesh=list(old["mesh"]), config=_config_json(old["config"]),
+                                  scheduler=old["scheduler"])
+        _write_rank(staging, path.stem, tensors, meta)
+    _write_manifest(staging, meta["step"], len(ranks))
     aside = _replace_folder(staging, folder)
     shutil.rmtree(aside, ignore_errors=True)
     return folder
