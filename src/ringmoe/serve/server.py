@@ -89,8 +89,11 @@ class _Frontend:
         if floor > self.context:
             raise RequestError(f"{field} has {len(text)} characters, at least {floor} tokens: more than this "
                                f"server's context of {self.context} tokens", field)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.tokenizer.encode, text,
-                                                                add_special_tokens)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self.tokenizer.encode, text,
+                                                                    add_special_tokens, self.context)
+        except ValueError as error:
+            raise RequestError(f"{field}: {error}: this server's context is {self.context} tokens", field) from None
 
     async def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if self.templates is None:

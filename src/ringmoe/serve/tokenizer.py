@@ -53,10 +53,16 @@ class Tokenizer:
             return (self.backend.token_to_id(self.eos_token),)
         return ()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``.  Releases the GIL while it works (``encode`` of the tokenizers library holds
-        it; ``encode_batch`` does not), so a server thread tokenizing a long prompt stalls no other thread."""
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        it; ``encode_batch`` does not), so a server thread tokenizing a long prompt stalls no other thread.
+
+        max_tokens: ValueError when the text has more tokens, raised before the ids become a Python list (for
+        a million tokens that conversion alone holds the GIL for tens of milliseconds)."""
+        encoding = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise ValueError(f"the text has {len(encoding)} tokens, more than {max_tokens}")
+        return encoding.ids
 
     def min_tokens(self, text: str) -> int:
         """A floor on len(encode(text)) that costs nothing: one token's vocabulary entry spans at most its own
