@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pyplot, write_results  # noqa: E402
 
-from ringmoe.demo_model import DEMO_TRAINING, trained_demo_checkpoint  # noqa: E402
+from ringmoe.apps.demo_model import DEMO_TRAINING, trained_demo_checkpoint  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 
 PROMPTS = ["def read_config(path):\n", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n\n",

@@ -11,7 +11,8 @@ import argparse
 import torch
 
 from common import write_results
-from ringmoe.model import MoETransformer, generate, preset
+from ringmoe.model import MoETransformer, preset
+from ringmoe.serve import generate
 from ringmoe.parallel import make_mesh
 from ringmoe.parallel.launch import spawn
 

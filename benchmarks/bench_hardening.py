@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import start, stop  # noqa: E402
 from common import RESULTS, pyplot, write_results  # noqa: E402
 
-from ringmoe.demo_model import build_demo_checkpoint  # noqa: E402
+from ringmoe.apps.demo_model import build_demo_checkpoint  # noqa: E402
 
 BIG_BYTES = 16 * 2**20
 

@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import peak_rss_bytes, pyplot, write_results  # noqa: E402
 
-from ringmoe.model import generate, load_checkpoint, preset  # noqa: E402
+from ringmoe.model import load_checkpoint, preset  # noqa: E402
+from ringmoe.serve import generate  # noqa: E402
 from ringmoe.parallel import make_mesh  # noqa: E402
 from ringmoe.parallel.launch import spawn  # noqa: E402
 

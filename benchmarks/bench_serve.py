@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from ringmoe.demo_model import build_demo_checkpoint  # noqa: E402
+from ringmoe.apps.demo_model import build_demo_checkpoint  # noqa: E402
 from ringmoe.parallel.launch import free_port  # noqa: E402
 from ringmoe.serve.bench import BenchConfig, plot, run_benchmark, wait_healthy  # noqa: E402
 

@@ -37,7 +37,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_generation_matches(hf, ours, ids: torch.Tensor, new: int, logits_tol: float, steps_tol: float) -> None:
     """ringmoe's ``ours`` against transformers' ``hf`` (float64, eos off): the logits of ``ids``, the greedy
     tokens of ``new`` steps, and every decoding step's logits against the whole sequence recomputed."""
-    from ringmoe.model import generate
+    from ringmoe.serve import generate
 
     seqlen = ids.shape[1]
     with torch.no_grad():
@@ -62,7 +62,8 @@ def mesh_ids(ep: int) -> torch.Tensor:
 
 def mesh_rank_run(rank, world, path, cp, ep, new, mla_ring="auto"):
     """One rank of a checkpoint on a cp x ep mesh: its logits of ``mesh_ids``, its rows, and generation."""
-    from ringmoe.model import generate, load_checkpoint
+    from ringmoe.model import load_checkpoint
+    from ringmoe.serve import generate
     from ringmoe.parallel import make_mesh, shard
 
     mesh = make_mesh(cp, ep)

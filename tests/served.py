@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringmoe.demo_model import train_tokenizer
+from ringmoe.text import train_tokenizer
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "naïve café — 東京 🚀 déjà vu", "print('hello, world')\n",
           "for i in range(10):\n    total += i * i\n", "Größe: 12 €, ½ kg 🍣🍣",

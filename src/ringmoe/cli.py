@@ -422,20 +422,20 @@ def _run(args) -> int:
     if args.command == "bench":
         return _bench_serve(args)
     if args.command == "attention":
-        from .demo import attention_showcase
+        from .apps.attention import attention_showcase
 
         return 0 if attention_showcase(args.seqlen, args.seed) else 1
     if args.command == "demo":
-        from .serve_demo import ServeDemoOptions, run_serve_demo
+        from .apps.demo import DemoOptions, run_demo
 
-        return 0 if run_serve_demo(ServeDemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain, train_steps=args.train_steps)) else 1
-    from .demo import DemoOptions, run_demo, run_demo_torchrun
+        return 0 if run_demo(DemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain, train_steps=args.train_steps)) else 1
+    from .apps.check import CheckOptions, run_check, run_check_torchrun
 
-    options = DemoOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,
+    options = CheckOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,
                           seqlen=args.seqlen, batch=args.batch, new_tokens=args.new_tokens, layout=args.layout,
                           capacity_factor=args.capacity_factor, overlap_chunks=args.overlap_chunks,
                           seed=args.seed, check=not args.no_check, watchdog=args.watchdog)
-    ok = run_demo_torchrun(options) if args.launcher == "torchrun" else run_demo(options)
+    ok = run_check_torchrun(options) if args.launcher == "torchrun" else run_check(options)
     return 0 if ok else 1
 
 

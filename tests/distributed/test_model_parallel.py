@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringmoe.model import MoETransformer, generate, preset
+from ringmoe.model import MoETransformer, preset
+from ringmoe.serve import generate
 from ringmoe.parallel import make_mesh, shard
 from ringmoe.parallel.launch import RankFailed, spawn
 

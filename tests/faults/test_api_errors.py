@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ringmoe import flash_attn_func
-from ringmoe.model import MoETransformer, generate, preset
+from ringmoe.model import MoETransformer, preset
+from ringmoe.serve import generate
 from ringmoe.moe import MoELayer
 from ringmoe.parallel import ring_flash_attn_func
 from ringmoe.parallel.launch import spawn

@@ -27,7 +27,7 @@ def test_pyproject_declares_licence_numpy_and_the_plot_extra():
 
 
 def test_attention_showcase_warms_up_sdpa_like_the_other_backends(monkeypatch):
-    from ringmoe.demo import attention_showcase
+    from ringmoe.apps.attention import attention_showcase
 
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention

@@ -12,16 +12,18 @@ from ringmoe.model.rope import rope_tables
 from ringmoe.serve import Engine
 
 
-def _attends():
-    def expanded(index, q, k, v):
-        return flash_attn_func(q, k, v, causal=True, backend="blockwise")
+class _Flash:
+    """A backend that checks what it is handed: expanded heads, or (absorbed) one latent "K/V head"."""
 
-    def absorbed(index, q, k, v):
-        assert k.shape[2] == 1 and k.shape[-1] == 32 + 8  # one latent "head": rank + rope
-        return flash_attn_func(q, k, v, causal=True, backend="blockwise")
+    latent_ring = False
 
-    absorbed.absorbed = True
-    return expanded, absorbed
+    def __init__(self, absorbed: bool):
+        self.absorbed = absorbed
+
+    def attend(self, index, q, k, v):
+        if self.absorbed:
+            assert k.shape[2] == 1 and k.shape[-1] == 32 + 8  # one latent "head": rank + rope
+        return flash_attn_func(q, k, v, causal=True, backend="blockwise")
 
 
 @pytest.mark.parametrize("q_lora_rank", [48, None])
@@ -32,9 +34,8 @@ def test_absorbed_equals_expanded_float64(q_lora_rank):
     attention = model.layers[1].self_attn
     x = torch.randn(2, 13, config.hidden_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     cos, sin = rope_tables(torch.arange(13), config.qk_rope_head_dim, config.rope_theta, torch.float64)
-    expanded, absorbed = _attends()
-    want = attention(x, cos, sin, expanded, 1)
-    got = attention(x, cos, sin, absorbed, 1)
+    want = attention(x, cos, sin, _Flash(absorbed=False), 1)
+    got = attention(x, cos, sin, _Flash(absorbed=True), 1)
     assert (got - want).abs().max() < 1e-10
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringmoe.model import ModelConfig, MoETransformer, generate, preset
-from ringmoe.model.transformer import apply_rope, rope_tables
+from ringmoe.model import ModelConfig, MoETransformer, preset
+from ringmoe.serve import generate
+from ringmoe.model.rope import apply_rope, rope_tables
 
 
 def test_presets_have_the_published_parameter_counts():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ringmoe.model import MoETransformer, preset
-from ringmoe.serve import Engine, IncrementalDetokenizer, SamplingParams, Tokenizer
+from ringmoe.serve import Engine, SamplingParams
+from ringmoe.text import IncrementalDetokenizer, Tokenizer
 
 from ..served import CORPUS, write_tokenizer
 

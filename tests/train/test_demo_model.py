@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ringmoe.demo_model import trained_demo_checkpoint
+from ringmoe.apps.demo_model import trained_demo_checkpoint
 from ringmoe.serve import Engine, SamplingParams
 
 TINY = dict(preset="tiny", vocab_size=300, seqlen=64, tokens_per_step=256, steps=3, warmup=1, eval_every=3,

@@ -55,9 +55,10 @@ def test_train_on_a_mesh_from_a_jsonl(tmp_path, capsys):
                               for i in range(200)))
     out = tmp_path / "mesh"
     assert main(["train", "--out", str(out), "--data", str(data), "--cp", "2", "--ep", "2", "--steps", "6",
-                 "--preset", "tiny", "--vocab-size", "300", "--seqlen", "64", "--tokens-per-step", "256",
-                 "--eval-every", "3", "--save-every", "3"]) == 0
+                 "--preset", "tiny", "--seqlen", "64", "--tokens-per-step", "256",
+                 "--eval-every", "3", "--save-every", "3"]) == 0  # no --vocab-size: tiny's 128 grows to a BPE's 259
     assert (out / "hf" / "model.safetensors").is_file() and (out / "step-000006").is_dir()
+    assert json.loads((out / "hf" / "config.json").read_text())["vocab_size"] == 259
     assert main(["train", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

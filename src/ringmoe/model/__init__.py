@@ -1,10 +1,9 @@
-"""The MoE transformer on a cp x ep mesh: config and presets, model, checkpoint loading, generation."""
+"""The MoE transformer on a cp x ep mesh: config and presets, model, checkpoint loading and export."""
 
 from .checkpoint import LoadReport, check_checkpoint, load_checkpoint, load_config, load_weights
-from .export import config_to_hf, save_pretrained
 from .config import PRESETS, ModelConfig, config_from_hf, preset
-from .generate import Generation, generate
+from .export import config_to_hf, save_pretrained
 from .transformer import MoETransformer
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf", "MoETransformer", "load_checkpoint",
-           "load_config", "load_weights", "check_checkpoint", "LoadReport", "save_pretrained", "config_to_hf", "generate", "Generation"]
+           "load_config", "load_weights", "check_checkpoint", "LoadReport", "save_pretrained", "config_to_hf"]

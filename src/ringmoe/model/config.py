@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..moe.layer import check_capacity_factor
+from .rope import check_rope_scaling
+
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf"]
 
 ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3")
@@ -107,7 +110,6 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
-        from ..moe.layer import check_capacity_factor
 
         check_capacity_factor(self.capacity_factor)
         if self.head_dim % 2:
@@ -128,7 +130,6 @@ class ModelConfig:
                          or self.v_head_dim > self.head_dim):
             raise ValueError("MLA needs head_dim = qk_nope_head_dim + qk_rope_head_dim (even rope part), "
                              "num_kv_heads = num_heads and 1 <= v_head_dim <= head_dim")
-        from .rope import check_rope_scaling
 
         check_rope_scaling(dict(self.rope_scaling))
 

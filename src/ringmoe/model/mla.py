@@ -9,8 +9,9 @@ and the ordinary attention paths run (kernels, paged cache, the ring where it is
 width so K and V share a shape, and the padding is cut from the output (exact: zero columns of V give
 zero columns of the output).
 
-Under context parallelism the model's attention offers ``attend.latent``: the ring that carries the
-latent and the RoPE key instead of K and V (``parallel/ring_mla.py``).
+Under context parallelism a backend with ``latent_ring`` carries the latent and the RoPE key around
+the ring instead of K and V (``parallel/ring_mla.py``); a backend with ``absorbed`` (the engine's latent
+cache) attends in the latent space.
 
 RoPE is DeepSeek's interleaved layout: pairs (x0, x1), (x2, x3)... turn together, so the rope part is
 de-interleaved ([even | odd]) and rotated by the usual half-split rule.
@@ -25,6 +26,8 @@ import torch.nn as nn
 
 from ..batch_invariant import InvariantLinear, linear
 from .config import ModelConfig
+from .norms import RMSNorm
+from .rope import apply_rope
 
 __all__ = ["LatentAttention", "mla_softmax_factor"]
 
@@ -40,12 +43,10 @@ def mla_softmax_factor(config: ModelConfig) -> float:
 
 
 class LatentAttention(nn.Module):
-    """MLA with transformers' DeepseekV3Attention names; ``attend`` sees expanded per-head q, k, v."""
+    """MLA with transformers' DeepseekV3Attention names; the backend sees expanded per-head q, k, v (or latents)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        from .transformer import RMSNorm
-
         h, heads = config.hidden_size, config.num_heads
         self.heads, self.nope, self.rope = heads, config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank, self.interleave = config.v_head_dim, config.kv_lora_rank, config.rope_interleave
@@ -64,7 +65,7 @@ class LatentAttention(nn.Module):
         # the kernels scale by 1/sqrt(nope + rope); YaRN's extra factor goes on the queries
         self.q_factor = mla_softmax_factor(config)
 
-    def _absorbed(self, q, latent, k_rope, attend, index):
+    def _absorbed(self, q, latent, k_rope, attention, index):
         """Attention in the latent space (serving: the cache holds [c | k_r] per token, one "K/V head").
 
         q_nope_h . (W_uk,h c) = (W_uk,h^T q_nope_h) . c and sum_t p_t W_uv,h c_t = W_uv,h sum_t p_t c_t, so
@@ -80,18 +81,16 @@ class LatentAttention(nn.Module):
         width = self.rank + self.rope
         queries = torch.cat([q_latent, q[..., self.nope:]], dim=-1) * math.sqrt(width / (self.nope + self.rope))
         keys = torch.cat([latent, k_rope[:, :, 0]], dim=-1)[:, :, None]               # (b, s, 1, R + rope)
-        out = attend(index, queries, keys, keys)[..., :self.rank]                      # (b, s, H, R)
+        out = attention.attend(index, queries, keys, keys)[..., :self.rank]                      # (b, s, H, R)
         out = torch.stack([linear(out[:, :, h], w_uv[h]) for h in range(self.heads)], dim=2)
         return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))
 
     def _rope(self, x, cos, sin):
-        from .transformer import apply_rope
-
         if self.interleave:
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return apply_rope(x, cos, sin)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, index: int):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention, index: int):
         b, s, _ = x.shape
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, s, self.heads, self.nope + self.rope)
@@ -102,15 +101,14 @@ class LatentAttention(nn.Module):
         q = torch.cat([q[..., :self.nope], q_rope], dim=-1)
         if self.q_factor != 1.0:
             q = q * self.q_factor
-        if getattr(attend, "absorbed", False):  # the engine's latent cache: K/V never expanded
-            return self._absorbed(q, latent, k_rope, attend, index)
-        latent_ring = getattr(attend, "latent", None)
-        if latent_ring is not None:  # the ring carries (latent, RoPE key) and expands on every rank
-            out = latent_ring(index, q, latent, k_rope[:, :, 0], self.kv_b_proj.weight, self.v_dim)
+        if attention.absorbed:  # the engine's latent cache: K/V never expanded
+            return self._absorbed(q, latent, k_rope, attention, index)
+        if attention.latent_ring:  # the ring carries (latent, RoPE key) and expands on every rank
+            out = attention.attend_latent(index, q, latent, k_rope[:, :, 0], self.kv_b_proj.weight, self.v_dim)
             return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))
         k_nope, v = self.kv_b_proj(latent).view(b, s, self.heads, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, self.rope)], dim=-1)
         v = torch.nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
-        out = attend(index, q, k, v)[..., :self.v_dim]
+        out = attention.attend(index, q, k, v)[..., :self.v_dim]
         return self.o_proj(out.reshape(b, s, self.heads * self.v_dim))

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["check_rope_scaling", "inv_freq", "rope_tables"]
+__all__ = ["check_rope_scaling", "inv_freq", "rope_tables", "apply_rope"]
 
 _TYPES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                             "original_max_position_embeddings"),
@@ -95,3 +95,10 @@ def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dty
     angles = pos.float()[:, None] * freqs[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, S, heads, D) by position: pairs (x_i, x_{i+D/2}) turn by their angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)  # autocast: stay in x's dtype

@@ -7,62 +7,39 @@ come from the global positions of that shard, and attention is
 ``ring_flash_attn_func`` over the cp group (``flash_attn_func`` when cp = 1).
 The MoE MLP is a ``MoELayer`` over the ep group.
 
-How attention gets its keys is a parameter (``attend``): the full causal ring
-for prefill and training, a sharded KV cache for decoding (``generate.py``).
+How attention gets its keys is a parameter, an ``AttentionBackend`` (``attention_backend.py``): the
+full causal ring for prefill, packed documents for training, the serving engine's paged cache.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from ..attention import flash_attn_func
 from ..batch_invariant import InvariantLinear
 from ..moe import MoELayer
 from ..moe.experts import SharedExpert
-from ..parallel.layout import check_layout, positions as layout_positions
+from ..parallel.layout import check_layout
+from ..parallel.layout import positions as layout_positions
 from ..parallel.mesh import Mesh
-from ..parallel.ring import RingStats, ring_flash_attn_func
+from ..parallel.ring import RingStats
+from ..parallel.varlen import varlen_positions
 from ..parallel.watchdog import activity
+from .attention_backend import AttentionBackend, DenseAttention, PackedAttention, RingAttention
 from .config import ModelConfig
-from .rope import rope_tables
+from .mla import LatentAttention
+from .norms import RMSNorm
+from .rope import apply_rope, rope_tables
 
-__all__ = ["MoETransformer", "RMSNorm", "rope_tables", "apply_rope"]
-
-# attend(layer_index, q, k, v) -> out; q (B, S, heads, D), k/v (B, S, kv_heads, D), out like q
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in at least float32."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, S, heads, D) by position: pairs (x_i, x_{i+D/2}) turn by their angle."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)  # autocast: stay in x's dtype
-
+__all__ = ["MoETransformer", "Attention", "DecoderLayer"]
 
 class Attention(nn.Module):
-    """GQA self-attention projections; the attention itself is the ``attend`` callable.
+    """GQA self-attention projections; the attention itself is the ``AttentionBackend`` the model is given.
 
     Optional, by the config: projection biases, qk-norm per head (Qwen3) or over the whole projection
-    (OLMoE), and attention sinks (gpt-oss: ``sinks`` (heads,), passed to ``attend`` by the model).
+    (OLMoE), and attention sinks (gpt-oss: ``sinks`` (heads,), taken by the backend through ``attention_options``).
     """
 
     def __init__(self, config: ModelConfig):
@@ -79,7 +56,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(norm_k, config.rms_eps) if config.qk_norm or config.qk_norm_full else None
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if config.attention_sinks else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, index: int):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend, index: int):
         b, s, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.full_qk_norm:
@@ -90,11 +67,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(index, q, k, v)
+        out = attention.attend(index, q, k, v)
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
-
-
-from .mla import LatentAttention  # noqa: E402  (it uses RMSNorm and apply_rope from this module)
 
 
 def _mlp(config: ModelConfig, index: int, ep_group) -> nn.Module:
@@ -123,8 +97,8 @@ class DecoderLayer(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.mlp, MoELayer)
 
-    def forward(self, x, cos, sin, attend: Attend):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, self.index)
+    def forward(self, x, cos, sin, attention: AttentionBackend):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -174,49 +148,20 @@ class MoETransformer(nn.Module):
         """Layer ``index``'s window_size and sinks, as the attention functions take them."""
         return {"window_size": self.config.window(index), "sinks": self.layers[index].self_attn.sinks}
 
-    def causal_attend(self, ring_stats: RingStats | None = None) -> Attend:
+    def causal_attention(self, ring_stats: RingStats | None = None) -> AttentionBackend:
         """Causal self-attention over the whole (sharded) sequence: the ring when cp > 1."""
         if self.mesh.cp == 1:
-            return lambda index, q, k, v: flash_attn_func(q, k, v, causal=True, backend=self.backend,
-                                                          **self.attention_options(index))
+            return DenseAttention(self)
+        return RingAttention(self, ring_stats, latent=self.config.mla and self._latent_ring())
 
-        def attend(index, q, k, v):
-            return ring_flash_attn_func(q, k, v, group=self.mesh.cp_group, causal=True, layout=self.layout,
-                                        backend=self.backend, stats=ring_stats, **self.attention_options(index))
-
-        if self.config.mla and self._latent_ring():
-            from ..parallel.ring_mla import ring_mla_attn_func
-
-            attend.latent = lambda index, q, latent, k_rope, w, v_dim: ring_mla_attn_func(
-                q, latent, k_rope, w, v_dim, group=self.mesh.cp_group, layout=self.layout, backend=self.backend,
-                stats=ring_stats)
-        return attend
-
-    def packed_attend(self, cu_seqlens: torch.Tensor, max_seqlen: int, ring_stats: RingStats | None = None) -> Attend:
+    def packed_attention(self, cu_seqlens: torch.Tensor, max_seqlen: int,
+                         ring_stats: RingStats | None = None) -> AttentionBackend:
         """Causal attention within packed documents (int32 ``cu_seqlens``, global, the same on every rank).
 
         The rank's input is its ``shard_varlen`` rows of the packed (1, total_tokens) row; under cp > 1 the
-        ring carries K/V (``ring_flash_attn_varlen_func``), else ``flash_attn_varlen_func``.
+        ring carries K/V (or MLA latents) between the ranks.
         """
-        from ..attention import flash_attn_varlen_func
-        from ..parallel.varlen import ring_flash_attn_varlen_func
-
-        if self.mesh.cp == 1:
-            return lambda index, q, k, v: flash_attn_varlen_func(
-                q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True, backend=self.backend,
-                **self.attention_options(index))[None]
-        def attend(index, q, k, v):
-            return ring_flash_attn_varlen_func(
-                q[0], k[0], v[0], cu_seqlens, max_seqlen, group=self.mesh.cp_group, causal=True, layout=self.layout,
-                backend=self.backend, stats=ring_stats, **self.attention_options(index))[None]
-
-        if self.config.mla and self._latent_ring():
-            from ..parallel.ring_mla import ring_mla_attn_func
-
-            attend.latent = lambda index, q, latent, k_rope, w, v_dim: ring_mla_attn_func(
-                q[0], latent[0], k_rope[0], w, v_dim, group=self.mesh.cp_group, layout=self.layout,
-                backend=self.backend, stats=ring_stats, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[None]
-        return attend
+        return PackedAttention(self, cu_seqlens, max_seqlen, ring_stats, latent=self.config.mla and self._latent_ring())
 
     def _latent_ring(self) -> bool:
         if self.mla_ring not in ("auto", "latent", "expanded"):
@@ -225,7 +170,6 @@ class MoETransformer(nn.Module):
 
     def packed_positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Positions within their documents (int64 (local_tokens,)) of this rank's rows of a packed row."""
-        from ..parallel.varlen import varlen_positions
 
         bounds = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
         rows = varlen_positions(bounds, self.mesh.cp, self.mesh.cp_rank, self.layout)
@@ -233,13 +177,15 @@ class MoETransformer(nn.Module):
         return rows - bounds[document]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      attend: Attend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
-        """Final-norm hidden states (B_local, S_local, hidden) of this rank's tokens."""
+                      attention: AttentionBackend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B_local, S_local, hidden) of this rank's tokens.
+
+        attention: how every layer attends (default: causal over the whole sequence, the ring when cp > 1)."""
         self._check_ids(input_ids)
         if positions is None:
             positions = self.local_positions(input_ids.shape[1]).to(input_ids.device)
-        if attend is None:
-            attend = self.causal_attend(ring_stats)
+        if attention is None:
+            attention = self.causal_attention(ring_stats)
         x = self.embed_tokens(input_ids)
         rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
         cos, sin = rope_tables(positions, rope_dim, self.config.rope_theta, x.dtype, dict(self.config.rope_scaling))
@@ -247,14 +193,14 @@ class MoETransformer(nn.Module):
         for index, layer in enumerate(self.layers):
             with activity(f"layer {index}"):
                 if checkpointing:  # keep only the layer's input; recompute its inside during backward
-                    x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attend, use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention, use_reentrant=False)
                 else:
-                    x = layer(x, cos, sin, attend)
+                    x = layer(x, cos, sin, attention)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attend: Attend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, positions, attend, ring_stats))
+                attention: AttentionBackend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, positions, attention, ring_stats))
 
     def _check_ids(self, input_ids):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):

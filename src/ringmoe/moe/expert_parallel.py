@@ -38,6 +38,7 @@ from ..parallel.watchdog import activity
 from .dispatch import capacity_for, plan_dispatch
 from .exchange import exchange_counts, start_all_to_all
 from .router import load_balancing_loss, router_z_loss
+from .stats import MoEStats, RouterSums
 
 __all__ = ["expert_parallel_forward"]
 
@@ -246,7 +247,6 @@ def _expert_parallel_forward(layer, flat: torch.Tensor, routing) -> torch.Tensor
 
 def _stats(layer, routing, plan, keep, received_rows: torch.Tensor, timings):
     """Global per-expert counts (one all-reduce), rows and expert seconds per rank (one all-gather), timings."""
-    from .layer import MoEStats, RouterSums
 
     group, world = layer.group, layer.ep_size
     device = plan.order.device

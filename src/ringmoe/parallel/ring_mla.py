@@ -23,6 +23,7 @@ from ..attention.api import make_spec
 from ..attention.kernels import check_backend
 from .layout import check_local_length
 from .ring import RingStats, _Ring, check_same_shapes, dense_plan
+from .varlen import varlen_plan
 from .watchdog import activity
 
 __all__ = ["ring_mla_attn_func", "LatentBlocks"]
@@ -132,7 +133,6 @@ def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout,
     spec = make_spec(qk, softmax_scale, causal, (-1, -1), 0.0)
     block = torch.cat([latent, k_rope], dim=-1)
     if documents is not None:
-        from .varlen import varlen_plan
 
         plan = varlen_plan(group, documents[0], documents[1], length, layout, causal, (-1, -1), q[0])
     else:

@@ -1,11 +1,11 @@
-"""Serving: requests, sampling, tokenizer, paged KV cache, scheduler, runner, engine."""
+"""Serving: requests, sampling, paged KV cache, scheduler, runner, engine (and ``generate`` on it), HTTP server."""
 
 from .engine import Engine, StepStats
+from .generate import Generation, generate
 from .kv_cache import BlockManager
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["Engine", "StepStats", "BlockManager", "RequestOutput", "SamplingParams", "Scheduler", "Tokenizer",
-           "IncrementalDetokenizer"]
+__all__ = ["Engine", "StepStats", "generate", "Generation", "BlockManager", "RequestOutput", "SamplingParams",
+           "Scheduler"]

@@ -28,13 +28,16 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..batch_invariant import batch_invariant
+from ..model import load_checkpoint
 from ..model.transformer import MoETransformer
 from ..parallel.ring import RingStats
+from ..text import IncrementalDetokenizer, Tokenizer
 from .kv_cache import BlockManager
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
@@ -153,11 +156,6 @@ class Engine:
                         **options) -> "Engine":
         """The engine for a transformers checkpoint folder: weights (this rank's experts only) and, when the
         folder has a tokenizer.json, its tokenizer, chat template and end-of-sequence ids."""
-        from pathlib import Path
-
-        from ..model import load_checkpoint
-        from .tokenizer import Tokenizer
-
         model = load_checkpoint(path, mesh, layout, dtype=dtype)
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer=tokenizer, **options)
@@ -190,8 +188,6 @@ class Engine:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
         request = Request(request_id, ids, params, torch.Generator().manual_seed(seed))
         if self.tokenizer is not None:
-            from .tokenizer import IncrementalDetokenizer
-
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
         self.groups[group].add(request)
         self.requests[request_id] = request

@@ -6,17 +6,9 @@ with its own positions, and runs the model once; the MoE layers see all of them 
 under expert parallelism, meet the other ep groups' tokens in the all-to-all: a rank with no item
 still runs the step with an empty batch, so no exchange waits for it).
 
-Attention per item kind:
-
-- ``paged`` (cp = 1): prefill chunks and decodes; the new K/V are written into their slots
-  (block_id * block_size + offset) and each item's queries attend to its cached context
-  (``attention.paged``, causal bottom-right).
-- ``ring`` (cp > 1): a whole sequence prefilled by ring attention over the cp group, sharded by the
-  layout (padded to its unit; padding sits at the end, so no real token sees it); each rank keeps
-  the K/V of its real positions (``placement``).
-- ``decode`` (cp > 1): one token, computed on every rank of the cp group; the rank that keeps its
-  position writes its K/V, every rank attends to the part of the cache it holds, and the partial
-  (out, lse) merge across the group: exact attention over all cached keys.
+Attention per item kind (``paged`` prompt chunks and decodes at cp = 1; ``ring`` prefill and sharded
+``decode`` merged over the cp group at cp > 1) is the step's ``StepAttention`` (``step_attention.py``),
+the ``AttentionBackend`` the runner hands the model.
 
 ``step`` returns the final hidden state (hidden,) of the last token of every item marked ``report``
 that this rank holds (the driver turns them into logits and samples).
@@ -27,15 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from ..attention import decode_attention, merge_attention
-from ..attention.paged import paged_attention
-from ..attention.sinks import add_sinks
 from ..model.transformer import MoETransformer
 from ..parallel.layout import positions as layout_positions, shard
-from ..parallel.ring import RingStats, ring_flash_attn_func
-from .placement import local_count, owned_prefill_positions, padded_length
+from ..parallel.ring import RingStats
+from .placement import owned_prefill_positions, padded_length
+from .step_attention import StepAttention
 
 __all__ = ["ModelRunner", "WorkItem"]
 
@@ -91,17 +80,19 @@ class ModelRunner:
         copies = 1 if self.latent else 2
         return copies * len(self.k_cache) * first[0, 0].numel() * first.element_size()
 
-    def _slots(self, table: list[int], local: range) -> list[int]:
+    def slots(self, table: list[int], local: range) -> list[int]:
+        """Cache slots (block * block_size + offset) of a request's local positions ``local``."""
         return [table[i // self.block_size] * self.block_size + i % self.block_size for i in local]
 
-    def _write(self, index: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, index: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``index``'s K/V (n, kv_heads, D) into cache slots ``slots``."""
         if not slots:
             return
         at = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.k_cache[index].view(-1, *k.shape[1:]).index_copy_(0, at, k)
         self.v_cache[index].view(-1, *v.shape[1:]).index_copy_(0, at, v)
 
-    def _gather(self, index: int, table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, index: int, table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's first ``count`` cached tokens of a request: K, V (count, kv_heads, head_dim)."""
         blocks = torch.tensor(table[: -(-count // self.block_size)], dtype=torch.long, device=self.device)
         blocks = blocks.clamp(min=0)  # entries given back under a sliding window: outside it, never attended
@@ -128,59 +119,10 @@ class ModelRunner:
         paged = [(i, o, n) for i, o, n in spans if i.kind == "paged"]
         decodes = [(i, o, n) for i, o, n in spans if i.kind == "decode"]
         rings = [(i, o, n) for i, o, n in spans if i.kind == "ring"]
-        cu = [0]
-        for _, _, n in paged:
-            cu.append(cu[-1] + n)
-        paged_slots = [s for i, _, n in paged for s in self._slots(i.tables[0], range(i.start, i.start + n))]
-
-        def attend(index, q, k, v):
-            q, k, v = q[0], k[0], v[0]
-            out = torch.empty_like(q)
-            options = self.model.attention_options(index)  # the layer's window_size and sinks
-            window_left, sinks = options["window_size"][0], options["sinks"]
-            if paged:
-                rows = torch.cat([torch.arange(o, o + n) for _, o, n in paged])
-                self._write(index, paged_slots, k[rows], v[rows])
-                out[rows] = paged_attention(q[rows], self.k_cache[index], self.v_cache[index], cu,
-                                            [i.start + n for i, _, n in paged], [i.tables[0] for i, _, _ in paged],
-                                            self.backend,
-                                            [self.deterministic and not i.generated for i, _, _ in paged],
-                                            batch_decodes=not self.deterministic, **options)
-            if decodes:
-                out_parts, lse_parts = [], []
-                for item, offset, _ in decodes:
-                    position, table = item.start, item.tables[cp_rank]
-                    if position % cp == cp_rank:  # this rank keeps the new token's K/V
-                        mine = local_count(item.ring_len, position, cp, cp_rank, self.layout)
-                        self._write(index, self._slots(table, range(mine, mine + 1)), k[offset:offset + 1],
-                                    v[offset:offset + 1])
-                    held = local_count(item.ring_len, position + 1, cp, cp_rank, self.layout)
-                    keys, values = self._gather(index, table, held)
-                    if window_left >= 0:  # this rank's keys are in position order: the window is a suffix
-                        skip = local_count(item.ring_len, max(0, position - window_left), cp, cp_rank, self.layout)
-                        keys, values = keys[skip:], values[skip:]
-                    o, lse = decode_attention(q[None, offset:offset + 1], keys[None], values[None])
-                    out_parts.append(o[0, 0])
-                    lse_parts.append(lse[0, :, 0])
-                merged, merged_lse = _merge_over_group(self.mesh.cp_group, torch.stack(out_parts),
-                                                       torch.stack(lse_parts))
-                if sinks is not None:  # once, after the ranks' parts are merged
-                    merged = add_sinks(merged[None], merged_lse.T[None], sinks)[0][0]
-                out[[o for _, o, _ in decodes]] = merged.to(q.dtype)
-            for item, offset, n in rings:
-                rows = slice(offset, offset + n)
-                out[rows] = ring_flash_attn_func(q[None, rows], k[None, rows], v[None, rows],
-                                                 group=self.mesh.cp_group, causal=True, layout=self.layout,
-                                                 backend=self.backend, stats=self.ring_stats, **options)[0]
-                real = len(owned_prefill_positions(item.ring_len, cp, cp_rank, self.layout))
-                self._write(index, self._slots(item.tables[cp_rank], range(real)), k[offset:offset + real],
-                            v[offset:offset + real])
-            return out[None]
-
-        attend.absorbed = self.latent  # MLA attends in the latent space: the cache is never expanded
+        attention = StepAttention(self, paged, decodes, rings)
         device = self.device
         hidden = self.model.hidden_states(torch.tensor([ids], dtype=torch.long, device=device),
-                                          torch.tensor(positions, dtype=torch.long, device=device), attend)[0]
+                                          torch.tensor(positions, dtype=torch.long, device=device), attention)[0]
         reports = {}
         for item, offset, n in spans:
             if not item.report:
@@ -194,18 +136,3 @@ class ModelRunner:
                 reports[item.request_id] = hidden[offset + n - 1]
         return reports
 
-
-def _merge_over_group(group, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention (out (n, heads, D), lse (n, heads)) over every rank's keys from each rank's partial result."""
-    if group is None:
-        return out, lse
-    world = dist.get_world_size(group)
-    outs = [torch.empty_like(out) for _ in range(world)]
-    lses = [torch.empty_like(lse) for _ in range(world)]
-    dist.all_gather(outs, out.contiguous(), group=group)
-    dist.all_gather(lses, lse.contiguous(), group=group)
-    merged, merged_lse = outs[0], lses[0]
-    for o, s in zip(outs[1:], lses[1:]):  # the same order on every rank: identical results
-        merged, merged_lse = merge_attention(merged[None], merged_lse.T[None], o[None], s.T[None])
-        merged, merged_lse = merged[0], merged_lse[0].T
-    return merged, merged_lse

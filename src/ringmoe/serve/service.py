@@ -16,7 +16,16 @@ from pathlib import Path
 
 import torch
 
+from ..model import check_checkpoint
+from ..parallel import make_mesh
+from ..parallel.launch import join_torchrun, spawn
+from ..parallel.layout import LAYOUTS
+from ..resources import PROCESS_OVERHEAD_BYTES, require_memory
+from .async_engine import AsyncEngine
+from .engine import Engine
 from .limits import ServerLimits
+from .metrics import ServerMetrics
+from .server import build_app, serve_app
 
 __all__ = ["ServeOptions", "run_server", "serve_rank"]
 
@@ -60,8 +69,6 @@ class ServeOptions:
 
 def validate(options: ServeOptions) -> None:
     """Every option and checkpoint error before any rank starts (ValueError naming the flag or file)."""
-    from ..model import check_checkpoint
-    from ..parallel.layout import LAYOUTS
 
     if options.threads is not None and (not isinstance(options.threads, int) or options.threads < 1):
         raise ValueError(f"--threads must be a positive int, got {options.threads!r}")
@@ -94,7 +101,6 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
 
     Per rank: the replicated weights, its 1/ep of the experts, and ``kv_cache_tokens`` of K/V (MLA: the latent
     and RoPE key) in --dtype, plus a process's own overhead; local ranks share this machine's memory."""
-    from ..resources import PROCESS_OVERHEAD_BYTES, require_memory
 
     width = DTYPES[options.dtype].itemsize
     per_token = config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
@@ -108,8 +114,6 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
 
 
 def _build_engine(options: ServeOptions, mesh):
-    from .engine import Engine
-
     return Engine.from_checkpoint(
         options.model, mesh, dtype=DTYPES[options.dtype], layout=options.layout,
         kv_cache_tokens=options.kv_cache_tokens, block_size=options.block_size, max_num_seqs=options.max_num_seqs,
@@ -119,10 +123,6 @@ def _build_engine(options: ServeOptions, mesh):
 
 
 def _serve_driver(engine, options: ServeOptions) -> int:
-    from .async_engine import AsyncEngine
-    from .metrics import ServerMetrics
-    from .server import build_app, serve_app
-
     metrics = ServerMetrics(options.name)
     app = None
 
@@ -150,7 +150,6 @@ def _serve_driver(engine, options: ServeOptions) -> int:
 
 def serve_rank(rank: int, world: int, options: ServeOptions) -> int:
     """One rank of a mesh server (the process group is up)."""
-    from ..parallel import make_mesh
 
     engine = _build_engine(options, make_mesh(options.cp, options.ep))
     if rank == 0:
@@ -166,8 +165,6 @@ def run_server(options: ServeOptions, launcher: str = "spawn") -> int:
     if launcher == "torchrun":
         import torch.distributed as dist
 
-        from ..parallel.launch import join_torchrun
-
         rank, size = join_torchrun(options.cp, options.ep)
         try:
             return serve_rank(rank, size, options)
@@ -176,7 +173,6 @@ def run_server(options: ServeOptions, launcher: str = "spawn") -> int:
     if world == 1:
         torch.set_num_threads(options.threads_per_rank())
         return _serve_driver(_build_engine(options, None), options)
-    from ..parallel.launch import spawn
 
     codes = spawn(serve_rank, world, options, timeout=None, forward_sigterm_to=0,
                   threads_per_rank=options.threads_per_rank())

@@ -1,7 +1,7 @@
 """Chat-template rendering for the server: worker processes with a time limit, off the event loop.
 
 ``TemplateWorkers(template, bos, eos, workers=2, timeout_s=5)`` starts ``workers`` processes running
-``template_worker.py`` (jinja2 only, address space capped).  ``await render(messages)`` hands the
+``text/chat_template.py`` (jinja2 only, address space capped).  ``await render(messages)`` hands the
 messages to an idle worker and waits for its line; a render that outlasts ``timeout_s`` raises
 ``TemplateTimeout`` and its process is killed and replaced, so a template that loops forever costs
 one request its answer (a 400) and nothing else: the event loop never runs template code.
@@ -14,9 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+from ..text import chat_template
+
 __all__ = ["TemplateWorkers", "TemplateTimeout", "TemplateFailed"]
 
-_SCRIPT = Path(__file__).with_name("template_worker.py")
+_SCRIPT = Path(chat_template.__file__)  # run as a script: it imports jinja2 and the standard library only
 
 
 class TemplateTimeout(RuntimeError):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..attention import flash_attn_func
+from ..parallel.launch import spawn
 from .hardware import Hardware
 
 __all__ = ["median_seconds", "Measurements", "fit_line", "profile_from_measurements", "synthetic_measurements", "measure",
@@ -119,7 +121,6 @@ def _ping_pong(rank: int, world: int, sizes: list[int], repeats: int) -> list:
 
 def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
     """Every rank times the same kernels at once (as in a parallel run, where ranks share the machine)."""
-    from ..attention import flash_attn_func
 
     def timed(fn):
         dist.barrier()
@@ -146,7 +147,6 @@ def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
 def measure(ranks: int = 2, threads: int = 1, repeats: int = 5) -> Measurements:
     """Time this machine as ``ranks`` local gloo ranks with ``threads`` intra-op threads each
     (the benchmarks' setting: 2 ranks x 1 thread on 2 cores); rank 0's timings."""
-    from ..parallel.launch import spawn
 
     return spawn(_measure_rank, ranks, repeats, threads_per_rank=threads, timeout=600)[0]
 

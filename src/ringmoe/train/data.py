@@ -1,8 +1,4 @@
-"""Training data: a corpus of documents, tokenized, packed into fixed-length sequences that keep boundaries.
-
-``load_corpus``: the standard library's Python sources by default (present wherever Python is), any
-folder of text files, or a jsonl file with a "text" field.  Documents are split into train and
-validation deterministically (every ``val_every``-th document is held out).
+"""Training data: tokenized documents (``text.corpus``) packed into fixed-length sequences that keep boundaries.
 
 ``PackedStream`` concatenates tokenized documents (in a seeded shuffled order, so that consecutive
 steps see the whole corpus rather than one package after another) and cuts the stream into sequences of ``seqlen``
@@ -14,61 +10,13 @@ corpus and its position, so training resumes exactly from a saved position.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-__all__ = ["load_corpus", "split_corpus", "PackedStream", "Batch", "next_token_labels", "unigram_entropy"]
+__all__ = ["PackedStream", "Batch", "next_token_labels", "unigram_entropy"]
 
 IGNORE = -100
-
-
-def load_corpus(path: str | Path | None = None, max_bytes: int = 8_000_000) -> list[str]:
-    """Documents: the stdlib's .py files (None), every text file under a folder, or a jsonl's "text" fields."""
-    if path is None:
-        from ..demo_model import stdlib_texts
-
-        return stdlib_texts(max_bytes)
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"--data {str(path)!r} does not exist")
-    docs, total = [], 0
-    if path.is_file():
-        if path.suffix != ".jsonl":
-            raise ValueError(f"--data {str(path)!r}: expected a folder of text files or a .jsonl file")
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{str(path)!r} line {number}: expected a JSON object with a \"text\" string") from None
-            docs.append(str(text))
-            total += len(docs[-1])
-            if total >= max_bytes:
-                break
-    else:
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            try:
-                docs.append(file.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, OSError):
-                continue
-            total += len(docs[-1])
-            if total >= max_bytes:
-                break
-    docs = [d for d in docs if d.strip()]
-    if len(docs) < 2:
-        raise ValueError(f"--data {str(path)!r} holds {len(docs)} text documents; need at least 2 (train and validation)")
-    return docs
-
-
-def split_corpus(docs: list[str], val_every: int = 20) -> tuple[list[str], list[str]]:
-    """(train, validation): every ``val_every``-th document (from the first) goes to validation."""
-    val = [d for i, d in enumerate(docs) if i % val_every == 0]
-    train = [d for i, d in enumerate(docs) if i % val_every != 0]
-    return train, val
 
 
 @dataclass

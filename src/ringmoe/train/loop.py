@@ -157,7 +157,7 @@ class Trainer:
         ids, labels, positions, cu, longest, valid, total_tokens = self._local_batch()
         device = model.embed_tokens.weight.device.type
         with torch.autocast(device, dtype=torch.bfloat16, enabled=config.bf16):
-            hidden = model.hidden_states(ids, positions.to(ids.device), model.packed_attend(cu, longest))
+            hidden = model.hidden_states(ids, positions.to(ids.device), model.packed_attention(cu, longest))
             ce_sum = linear_cross_entropy(hidden[0], model.lm_head.weight, labels)  # no logits kept
         lm = ce_sum / valid
         aux, z, loads = self._balance_losses(total_tokens)
@@ -193,7 +193,7 @@ class Trainer:
             for start in range(0, sequences, self.config.rows):
                 self.position = start
                 ids, labels, positions, cu, longest, valid, _ = self._local_batch()
-                hidden = self.model.hidden_states(ids, positions, self.model.packed_attend(cu, longest))
+                hidden = self.model.hidden_states(ids, positions, self.model.packed_attention(cu, longest))
                 logits = self.model.lm_head(hidden[0]).float()
                 ce = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum").double()
                 if self.model.mesh.size > 1:

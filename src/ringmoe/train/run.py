@@ -21,8 +21,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..model import MoETransformer, preset
+from ..parallel import make_mesh
+from ..parallel.launch import join_torchrun, spawn
+from ..parallel.layout import LAYOUTS
+from ..text import Tokenizer, load_corpus, split_corpus, train_tokenizer
+from ..text.bpe import MIN_VOCAB
 from . import checkpoint
-from .data import unigram_entropy
+from .data import PackedStream, unigram_entropy
+from .loop import TrainConfig, Trainer
 
 __all__ = ["TrainOptions", "run_training"]
 
@@ -61,15 +68,13 @@ class TrainOptions:
 
 
 def _config(options: TrainOptions):
-    from ..model import preset
-
+    """The preset with --vocab-size; without it, the preset's vocabulary raised to what a byte-level BPE needs at
+    least (the tiny presets' 128 tokens are fewer than its 256-byte alphabet)."""
     config = preset(options.preset)
-    return config.replace(vocab_size=options.vocab_size) if options.vocab_size else config
+    return config.replace(vocab_size=options.vocab_size or max(config.vocab_size, MIN_VOCAB))
 
 
 def validate(options: TrainOptions) -> None:
-    from ..parallel.layout import LAYOUTS
-
     for name in ("cp", "ep", "seqlen", "tokens_per_step", "steps", "eval_every", "save_every", "warmup", "log_every"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
@@ -95,9 +100,6 @@ def _prepare(options: TrainOptions, reuse_tokenizer: bool | None = None):
 
     The tokenizer in ``out/tokenizer`` is trained anew unless reused (on --resume, or by ranks other than
     the one that trained it under torchrun)."""
-    from ..demo_model import train_tokenizer
-    from ..serve.tokenizer import Tokenizer
-    from .data import load_corpus, split_corpus
 
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,10 +124,6 @@ def _flops_per_token(config, seqlen: int) -> float:
 
 def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_docs, eos: int, tokenizer_folder,
                progress=None) -> dict:
-    from ..model import MoETransformer
-    from ..parallel import make_mesh
-    from .data import PackedStream
-    from .loop import TrainConfig, Trainer
 
     torch.manual_seed(options.seed)
     mesh = make_mesh(options.cp, options.ep)
@@ -203,8 +201,6 @@ def _plot(metrics_file: Path, path: Path) -> None:
 def run_training(options: TrainOptions, console=None, launcher: str = "spawn") -> dict:
     """Prepare in this process, train on the local mesh (or, under torchrun, as this rank); rank 0's summary."""
     import multiprocessing as mp
-
-    from ..parallel.launch import join_torchrun, spawn
 
     validate(options)
     world = options.cp * options.ep

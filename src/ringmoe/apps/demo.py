@@ -27,11 +27,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ServeDemoOptions", "run_serve_demo"]
+from rich.console import Console
+from rich.table import Table
+
+from ..parallel.launch import free_port
+from ..serve import Engine, SamplingParams
+from ..serve.bench import BenchConfig, run_benchmark, wait_healthy
+from ..text import stdlib_texts
+from .demo_model import DEMO_TRAINING, default_cache, trained_demo_checkpoint
+
+__all__ = ["DemoOptions", "run_demo"]
 
 
 @dataclass
-class ServeDemoOptions:
+class DemoOptions:
     cp: int = 2
     ep: int = 2
     long_prompt_tokens: int = 3000
@@ -59,16 +68,9 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def run_serve_demo(options: ServeDemoOptions) -> bool:
+def run_demo(options: DemoOptions) -> bool:
     import httpx
     import openai
-    from rich.console import Console
-    from rich.table import Table
-
-    from .demo_model import DEMO_TRAINING, default_cache, stdlib_texts, trained_demo_checkpoint
-    from .parallel.launch import free_port
-    from .serve import Engine, SamplingParams
-    from .serve.bench import BenchConfig, run_benchmark, wait_healthy
 
     console = Console()
     console.width = max(console.width, 110)

@@ -1,6 +1,6 @@
 """The main job: a long prompt through the MoE transformer on a cp x ep mesh, checked against one process.
 
-``run_demo(options)`` spawns cp * ep local gloo ranks (or, under torchrun, is
+``run_check(options)`` spawns cp * ep local gloo ranks (or, under torchrun, is
 one of them), prefills ``batch`` prompts of ``seqlen`` tokens context-parallel,
 decodes ``new_tokens`` greedily with the sharded KV cache, and compares tokens
 and logits with a single-process run of the same weights.  Each rank reports
@@ -11,18 +11,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing as mp
 import queue
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-__all__ = ["DemoOptions", "run_demo", "attention_showcase"]
+from ..model import MoETransformer, check_checkpoint, load_checkpoint, load_config, preset
+from ..moe.layer import check_capacity_factor
+from ..parallel import make_mesh
+from ..parallel.launch import join_torchrun, spawn
+from ..parallel.layout import check_layout
+from ..resources import PROCESS_OVERHEAD_BYTES, available_memory_bytes, gib, require_memory
+from ..serve import generate
+from ..sim.costs import memory_per_rank
+
+__all__ = ["CheckOptions", "run_check"]
 
 
 @dataclass
-class DemoOptions:
+class CheckOptions:
     preset: str = "small"
     checkpoint: str | None = None
     cp: int = 2
@@ -42,18 +54,13 @@ class DemoOptions:
         return self.batch if self.batch is not None else self.ep
 
 
-def _config(options: DemoOptions):
-    from .model import load_config, preset
-
+def _config(options: CheckOptions):
     config = load_config(options.checkpoint) if options.checkpoint else preset(options.preset)
     return config.replace(capacity_factor=options.capacity_factor, overlap_chunks=options.overlap_chunks)
 
 
-def validate(options: DemoOptions, device_type: str = "cpu") -> None:
+def validate(options: CheckOptions, device_type: str = "cpu") -> None:
     """Every option error, and a job too big for this machine, before any process starts."""
-    from .model import check_checkpoint
-    from .moe.layer import check_capacity_factor
-    from .parallel.layout import check_layout
 
     for name in ("cp", "ep", "seqlen", "new_tokens", "overlap_chunks"):
         value = getattr(options, name)
@@ -76,9 +83,8 @@ def validate(options: DemoOptions, device_type: str = "cpu") -> None:
     check_fits(options, config, device_type)
 
 
-def memory_estimate(options: DemoOptions, config, cp: int, ep: int, rows: int) -> dict:
+def memory_estimate(options: CheckOptions, config, cp: int, ep: int, rows: int) -> dict:
     """Bytes one rank of a cp x ep mesh holds (weights, KV cache, activations) for this job, float32."""
-    from .sim.costs import memory_per_rank
 
     local_rows = rows // ep
     local_tokens = math.ceil(options.seqlen / cp)
@@ -90,9 +96,8 @@ def memory_estimate(options: DemoOptions, config, cp: int, ep: int, rows: int) -
     return parts
 
 
-def check_fits(options: DemoOptions, config, device_type: str = "cpu") -> None:
+def check_fits(options: CheckOptions, config, device_type: str = "cpu") -> None:
     """Refuse (ValueError) a job whose ranks (or single-process check) cannot fit in memory."""
-    from .resources import PROCESS_OVERHEAD_BYTES, require_memory
 
     world = options.cp * options.ep
     advice = "lower --seqlen, --batch or --new-tokens, or pick a smaller --preset"
@@ -108,12 +113,10 @@ def check_fits(options: DemoOptions, config, device_type: str = "cpu") -> None:
 
 
 def _available(device_type: str) -> int:
-    from .resources import available_memory_bytes
-
     return available_memory_bytes(device_type)
 
 
-def _prompt(options: DemoOptions, vocab: int) -> torch.Tensor:
+def _prompt(options: CheckOptions, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (options.rows, options.seqlen), generator=torch.Generator().manual_seed(options.seed))
 
 
@@ -125,9 +128,7 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
-def _build(options: DemoOptions, mesh, device):
-    from .model import MoETransformer, load_checkpoint
-
+def _build(options: CheckOptions, mesh, device):
     if options.checkpoint:
         return load_checkpoint(options.checkpoint, mesh, options.layout, capacity_factor=options.capacity_factor,
                                overlap_chunks=options.overlap_chunks).to(device)
@@ -136,10 +137,8 @@ def _build(options: DemoOptions, mesh, device):
     return model.to(device)
 
 
-def demo_rank(rank: int, world: int, options: DemoOptions, progress=None) -> dict:
+def check_rank(rank: int, world: int, options: CheckOptions, progress=None) -> dict:
     """One rank of the demo (the process group is up, world = cp * ep); returns its report."""
-    from .model import generate
-    from .parallel import make_mesh
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     mesh = make_mesh(options.cp, options.ep, device.type)
@@ -163,20 +162,15 @@ def demo_rank(rank: int, world: int, options: DemoOptions, progress=None) -> dic
     }
 
 
-def _reference_rank(rank: int, world: int, options: DemoOptions, progress=None) -> dict:
+def _reference_rank(rank: int, world: int, options: CheckOptions, progress=None) -> dict:
     """The same job on one process (no mesh): the exactness baseline."""
     single = dataclasses.replace(options, cp=1, ep=1, batch=options.rows)
-    result = demo_rank(rank, world, single, progress)
+    result = check_rank(rank, world, single, progress)
     return {key: result[key] for key in ("prefill_s", "decode_s", "peak_rss_mib", "tokens", "logits")}
 
 
-def _with_progress(console, title: str, fn, world: int, options: DemoOptions, threads: int) -> list[dict]:
+def _with_progress(console, title: str, fn, world: int, options: CheckOptions, threads: int) -> list[dict]:
     """spawn(fn, world, ...) while a rich progress bar follows rank 0's prefill layers and decode steps."""
-    import multiprocessing as mp
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .parallel.launch import spawn
 
     updates = mp.get_context("fork").Queue()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -207,9 +201,7 @@ def _compare(ranks: list[dict], reference: dict) -> tuple[bool, float]:
     return tokens_ok, err
 
 
-def print_report(console, options: DemoOptions, config, ranks: list[dict], reference: dict | None) -> bool:
-    from rich.table import Table
-
+def print_report(console, options: CheckOptions, config, ranks: list[dict], reference: dict | None) -> bool:
     console.width = max(console.width, 110)  # the table's columns, unwrapped
 
     world = options.cp * options.ep
@@ -256,17 +248,14 @@ def print_report(console, options: DemoOptions, config, ranks: list[dict], refer
     return ok
 
 
-def _estimate_line(options: DemoOptions, config) -> str:
-    from .resources import gib
-
+def _estimate_line(options: CheckOptions, config) -> str:
     per_rank = memory_estimate(options, config, options.cp, options.ep, options.rows)
     return (f"{gib(sum(per_rank.values()))} per rank ("
             + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in per_rank.items()) + ")")
 
 
-def run_demo(options: DemoOptions, threads_per_rank: int = 1) -> bool:
+def run_check(options: CheckOptions, threads_per_rank: int = 1) -> bool:
     """Spawn the mesh locally, run the single-process check, print the report; True when exact."""
-    from rich.console import Console
 
     validate(options)
     console = Console()
@@ -277,20 +266,17 @@ def run_demo(options: DemoOptions, threads_per_rank: int = 1) -> bool:
     if options.check:
         reference = _with_progress(console, "single process", _reference_rank, 1, options,
                                    threads=max(1, torch.get_num_threads()))[0]
-    ranks = _with_progress(console, f"{world} ranks", demo_rank, world, options, threads=threads_per_rank)
+    ranks = _with_progress(console, f"{world} ranks", check_rank, world, options, threads=threads_per_rank)
     return print_report(console, options, config, ranks, reference)
 
 
-def run_demo_torchrun(options: DemoOptions) -> bool:
+def run_check_torchrun(options: CheckOptions) -> bool:
     """This process is one rank under torchrun (NCCL on GPUs); rank 0 prints the report."""
-    from rich.console import Console
-
-    from .parallel.launch import join_torchrun
 
     validate(options, "cuda" if torch.cuda.is_available() else "cpu")
     rank, world = join_torchrun(options.cp, options.ep)
     try:
-        result = demo_rank(rank, world, options)
+        result = check_rank(rank, world, options)
         results = [None] * world if rank == 0 else None
         dist.gather_object(result, results, dst=0)
     finally:
@@ -298,47 +284,3 @@ def run_demo_torchrun(options: DemoOptions) -> bool:
     if rank != 0:
         return True
     return print_report(Console(), options, _config(options), results, None)
-
-
-def attention_showcase(seqlen: int, seed: int) -> bool:
-    """Exactness and speed of flash_attn_func against the float64 oracle and torch SDPA."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from . import flash_attn_func
-    from .attention import AttentionSpec, attention_reference
-
-    from .resources import require_memory
-
-    b, n, h, hkv, d = 1, seqlen, 8, 2, 64
-    # the float64 oracle materialises (B, H, N, N) scores, exponentials and probabilities
-    require_memory(f"attention --seqlen {seqlen}", {"float64 oracle": 3 * 8 * b * h * n * n,
-                                                    "inputs and outputs": 40 * b * n * h * d},
-                   advice="the exactness check materialises N x N scores: lower --seqlen")
-    console = Console()
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, n, h, d, generator=gen)
-    k = torch.randn(b, n, hkv, d, generator=gen)
-    v = torch.randn(b, n, hkv, d, generator=gen)
-    ref_out, ref_lse = attention_reference(q, k, v, AttentionSpec(d**-0.5, causal=True))
-    table = Table(title=f"FlashAttention, causal GQA {h}/{hkv} heads, N={n}, D={d}, fp32, {torch.get_num_threads()} threads")
-    for col in ("backend", "max |out - fp64|", "max |lse - fp64|", "ms"):
-        table.add_column(col, justify="right")
-    ok = True
-    for backend in ("blockwise", "native", "auto"):
-        flash_attn_func(q, k, v, causal=True, backend=backend)  # warm-up
-        start = time.perf_counter()
-        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend=backend)
-        ms = (time.perf_counter() - start) * 1e3
-        err_out = (out.double() - ref_out).abs().max().item()
-        err_lse = (lse.double() - ref_lse).abs().max().item()
-        ok &= err_out < 1e-4 and err_lse < 1e-4
-        table.add_row(backend, f"{err_out:.2e}", f"{err_lse:.2e}", f"{ms:.1f}")
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)))
-    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # warm-up, like the others
-    start = time.perf_counter()
-    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-    table.add_row("torch SDPA (peer)", "-", "-", f"{(time.perf_counter() - start) * 1e3:.1f}")
-    console.print(table)
-    console.print(f"exactness check: {'[green]PASS' if ok else '[red]FAIL'}")
-    return ok

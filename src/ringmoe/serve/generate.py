@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..model.transformer import MoETransformer
 from ..parallel.ring import RingStats
-from .transformer import MoETransformer
+from .engine import Engine
+from .sampling import SamplingParams
 
 __all__ = ["generate", "Generation"]
 
@@ -57,8 +59,6 @@ def generate(model: MoETransformer, prompt: torch.Tensor, max_new_tokens: int, r
     of these ids is finished.  progress(phase, done, total) is called on the driver after the prefill
     step ("prefill", 1, 1) and each decoding step ("decode", step, max_new_tokens - 1).
     """
-    from ..serve import Engine, SamplingParams
-
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
         raise ValueError(f"prompt must be an int64 tensor (batch, seqlen), got {getattr(prompt, 'shape', prompt)!r}")
     if prompt.shape[0] < 1 or prompt.shape[1] < 1:

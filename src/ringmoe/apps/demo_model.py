@@ -11,74 +11,25 @@ two minutes on 2 cores (what ``make demo`` serves: a model that writes Python-lo
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import sysconfig
 from pathlib import Path
 
-__all__ = ["build_demo_checkpoint", "trained_demo_checkpoint", "DEMO_TRAINING", "stdlib_texts", "train_tokenizer",
-           "default_cache"]
+from ..model import MoETransformer, preset, save_pretrained
+from ..text import stdlib_texts, train_tokenizer
+from ..train.run import TrainOptions, run_training
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+__all__ = ["build_demo_checkpoint", "trained_demo_checkpoint", "DEMO_TRAINING", "default_cache"]
 
 
 def default_cache() -> Path:
-    import os
-
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "ringmoe"
-
-
-# Packages whose files are mostly data tables (codec maps, pydoc's topic strings), not Python.
-_NOT_CODE = {"site-packages", "test", "tests", "encodings", "pydoc_data", "idlelib"}
-
-
-def stdlib_texts(max_bytes: int = 4_000_000) -> list[str]:
-    """The standard library's .py files, in name order, up to ``max_bytes`` in all (tests and data tables left out)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts, total = [], 0
-    for file in sorted(root.rglob("*.py")):
-        if _NOT_CODE.intersection(file.relative_to(root).parts):
-            continue
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        texts.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
-    return texts
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, folder: Path) -> int:
-    """Train a byte-level BPE on ``texts``; write tokenizer.json, tokenizer_config.json, generation_config.json.
-
-    Returns the end-of-sequence id.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    eos = tokenizer.token_to_id("<|im_end|>")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2))
-    return eos
 
 
 def build_demo_checkpoint(folder: str | Path | None = None, preset_name: str = "small", seed: int = 0,
                           rebuild: bool = False) -> Path:
     """The checkpoint folder (built once, then reused): tokenizer + random ``preset_name`` weights."""
-    from .model import MoETransformer, preset, save_pretrained
-
     folder = Path(folder) if folder is not None else default_cache() / f"demo-{preset_name}-seed{seed}"
     done = folder / ".complete"
     if done.is_file() and not rebuild:
@@ -110,8 +61,6 @@ def trained_demo_checkpoint(folder: str | Path | None = None, retrain: bool = Fa
     Trains in ``folder.building`` and renames it when done, so an interrupted run never leaves a
     half-trained model in the cache.  Returns ``folder / "hf"``.
     """
-    from .train.run import TrainOptions, run_training
-
     folder = Path(folder) if folder is not None else default_cache() / "demo-trained"
     done = folder / ".complete"
     if done.is_file() and not retrain:

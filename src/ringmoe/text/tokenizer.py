@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..jsonio import read_json
-from .template_worker import render_chat
+from .chat_template import render_chat
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer"]
 

@@ -1,0 +1,1 @@
+"""The commands' jobs, named after them: ``check`` (and ``attention``), ``demo`` and its model recipe."""

@@ -1,0 +1,115 @@
+"""One engine step's attention (``StepAttention``, an ``AttentionBackend``): each item of the step by its kind.
+
+The runner packs the new tokens of every item into one row; a layer hands the backend that row's q, k, v
+and gets back the output of every item, each computed the way its kind needs:
+
+- ``paged`` (cp = 1): prompt chunks and decodes; their new K/V are written into their cache slots, then
+  each item's queries attend to its cached context (``attention.paged``: chunks one by one, decodes of
+  similar context lengths batched into one call);
+- ``decode`` (cp > 1): one token on every rank of the cp group; the rank that keeps its position writes its
+  K/V, every rank attends to the part of the cache it holds, and the partial (out, lse) merge over the group
+  (the cp-decode merge): exact attention over all cached keys;
+- ``ring`` (cp > 1): a whole prompt prefilled by ring attention over the cp group; each rank keeps the K/V
+  of the real positions it holds.
+
+With MLA the cache holds latents (``absorbed``): the layer attends in the latent space and the same three
+paths run with one "K/V head".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..attention import decode_attention, merge_attention
+from ..attention.paged import paged_attention
+from ..attention.sinks import add_sinks
+from ..parallel.ring import ring_flash_attn_func
+from .placement import local_count, owned_prefill_positions
+
+__all__ = ["StepAttention"]
+
+
+class StepAttention:
+    """spans: (WorkItem, offset in the packed row, local length) of each kind, as the runner packed them."""
+
+    latent_ring = False
+
+    def __init__(self, runner, paged: list, decodes: list, rings: list):
+        self.runner, self.paged, self.decodes, self.rings = runner, paged, decodes, rings
+        self.absorbed = runner.latent  # MLA: the cache holds latents; the layer attends in the latent space
+        self.cu = [0]
+        for _, _, n in paged:
+            self.cu.append(self.cu[-1] + n)
+        self.paged_slots = [s for i, _, n in paged for s in runner.slots(i.tables[0], range(i.start, i.start + n))]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q[0], k[0], v[0]
+        out = torch.empty_like(q)
+        options = self.runner.model.attention_options(layer)  # the layer's window_size and sinks
+        if self.paged:
+            self._paged(layer, q, k, v, out, options)
+        if self.decodes:
+            self._sharded_decodes(layer, q, k, v, out, options)
+        for item, offset, n in self.rings:
+            self._ring_prefill(layer, item, offset, n, q, k, v, out, options)
+        return out[None]
+
+    def _paged(self, layer, q, k, v, out, options) -> None:
+        runner = self.runner
+        rows = torch.cat([torch.arange(o, o + n) for _, o, n in self.paged])
+        runner.write(layer, self.paged_slots, k[rows], v[rows])
+        out[rows] = paged_attention(q[rows], runner.k_cache[layer], runner.v_cache[layer], self.cu,
+                                    [i.start + n for i, _, n in self.paged], [i.tables[0] for i, _, _ in self.paged],
+                                    runner.backend, [runner.deterministic and not i.generated for i, _, _ in self.paged],
+                                    batch_decodes=not runner.deterministic, **options)
+
+    def _sharded_decodes(self, layer, q, k, v, out, options) -> None:
+        runner = self.runner
+        cp, cp_rank, layout = runner.mesh.cp, runner.mesh.cp_rank, runner.layout
+        window_left = options["window_size"][0]
+        out_parts, lse_parts = [], []
+        for item, offset, _ in self.decodes:
+            position, table = item.start, item.tables[cp_rank]
+            if position % cp == cp_rank:  # this rank keeps the new token's K/V
+                mine = local_count(item.ring_len, position, cp, cp_rank, layout)
+                runner.write(layer, runner.slots(table, range(mine, mine + 1)), k[offset:offset + 1],
+                             v[offset:offset + 1])
+            held = local_count(item.ring_len, position + 1, cp, cp_rank, layout)
+            keys, values = runner.gather(layer, table, held)
+            if window_left >= 0:  # this rank's keys are in position order: the window is a suffix
+                skip = local_count(item.ring_len, max(0, position - window_left), cp, cp_rank, layout)
+                keys, values = keys[skip:], values[skip:]
+            o, lse = decode_attention(q[None, offset:offset + 1], keys[None], values[None])
+            out_parts.append(o[0, 0])
+            lse_parts.append(lse[0, :, 0])
+        merged, merged_lse = _merge_over_group(runner.mesh.cp_group, torch.stack(out_parts), torch.stack(lse_parts))
+        if options["sinks"] is not None:  # once, after the ranks' parts are merged
+            merged = add_sinks(merged[None], merged_lse.T[None], options["sinks"])[0][0]
+        out[[o for _, o, _ in self.decodes]] = merged.to(q.dtype)
+
+    def _ring_prefill(self, layer, item, offset, n, q, k, v, out, options) -> None:
+        runner = self.runner
+        rows = slice(offset, offset + n)
+        out[rows] = ring_flash_attn_func(q[None, rows], k[None, rows], v[None, rows], group=runner.mesh.cp_group,
+                                         causal=True, layout=runner.layout, backend=runner.backend,
+                                         stats=runner.ring_stats, **options)[0]
+        real = len(owned_prefill_positions(item.ring_len, runner.mesh.cp, runner.mesh.cp_rank, runner.layout))
+        runner.write(layer, runner.slots(item.tables[runner.mesh.cp_rank], range(real)), k[offset:offset + real],
+                     v[offset:offset + real])
+
+
+def _merge_over_group(group, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention (out (n, heads, D), lse (n, heads)) over every rank's keys from each rank's partial result."""
+    if group is None:
+        return out, lse
+    world = dist.get_world_size(group)
+    outs = [torch.empty_like(out) for _ in range(world)]
+    lses = [torch.empty_like(lse) for _ in range(world)]
+    dist.all_gather(outs, out.contiguous(), group=group)
+    dist.all_gather(lses, lse.contiguous(), group=group)
+    merged, merged_lse = outs[0], lses[0]
+    for o, s in zip(outs[1:], lses[1:]):  # the same order on every rank: identical results
+        merged, merged_lse = merge_attention(merged[None], merged_lse.T[None], o[None], s.T[None])
+        merged, merged_lse = merged[0], merged_lse[0].T
+    return merged, merged_lse
