@@ -4,7 +4,10 @@ Trains it if the cache does not hold it yet (``--retrain`` forces; about two min
 writes benchmarks/results/demo_model.json (the run's settings, its summary, the evaluation curve and
 completions at temperature 0 and 0.7) and demo_model.png (train and validation loss per step).
 
-    python benchmarks/bench_demo_model.py [--retrain]
+    python benchmarks/bench_demo_model.py [--retrain] [--sweep]
+
+--sweep first trains each recipe of SWEEP for 150 steps (fresh folders, same data) and records the validation
+loss and router imbalance each reaches: the evidence behind DEMO_TRAINING's settings.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from common import pyplot, write_results  # noqa: E402
 
 from ringmoe.apps.demo_model import DEMO_TRAINING, trained_demo_checkpoint  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
+from ringmoe.train.run import TrainOptions, run_training  # noqa: E402
+
+# recipes compared at 150 steps; each changes DEMO_TRAINING's settings
+SWEEP = {"lr 5e-3 (the previous recipe)": dict(lr=5e-3, aux_coef=1e-2),
+         "lr 2e-3": dict(lr=2e-3, aux_coef=1e-2),
+         "lr 1e-3": dict(lr=1e-3, aux_coef=1e-2),
+         "lr 2e-3, aux 0.1": dict(lr=2e-3, aux_coef=0.1),
+         "lr 2e-3, DeepSeek bias 0.01": dict(lr=2e-3, balance="bias", bias_rate=0.01),
+         "lr 2e-3, seqlen 256": dict(lr=2e-3, seqlen=256),
+         "lr 3e-3, 4096 tokens/step, seqlen 256": dict(lr=3e-3, tokens_per_step=4096, seqlen=256)}
 
 PROMPTS = ["def read_config(path):\n", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n\n",
            "    for i in range("]
@@ -38,10 +51,28 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def sweep(steps: int = 150) -> dict:
+    import tempfile
+
+    results = {}
+    for name, change in SWEEP.items():
+        with tempfile.TemporaryDirectory() as out:
+            settings = {**DEMO_TRAINING, "steps": steps, "eval_every": steps, "log_every": steps, **change}
+            result = run_training(TrainOptions(out=out, **settings))
+            rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        results[name] = {"settings": change, "val_loss": result["val_loss"],
+                         "router_imbalance_last_10": sum(r["router_imbalance"] for r in rows[-10:]) / 10,
+                         "tokens_per_s": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2]}
+        print(name, results[name], flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    recipes = sweep() if args.sweep else None
     hf = trained_demo_checkpoint(retrain=args.retrain)
     summary = json.loads((hf.parent / "summary.json").read_text())
     rows = [json.loads(line) for line in (hf.parent / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -56,6 +87,8 @@ def main() -> None:
         "training": DEMO_TRAINING, "summary": summary, "train_seconds": seconds,
         "median_tokens_per_s": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
         "validation": [{"step": r["step"], "val_loss": r["val_loss"]} for r in val], "completions": completions,
+        "router_imbalance_last_10": sum(r["router_imbalance"] for r in rows[-10:]) / 10,
+        **({"sweep_150_steps": recipes} if recipes else {}),
     }, plot, {"train": rows, "val": val, "unigram": summary["unigram_entropy"]})
 
 

@@ -253,6 +253,9 @@ def _add_train(sub) -> None:
     train.add_argument("--warmup", type=_positive, default=20)
     train.add_argument("--balance", default="aux", choices=["aux", "bias", "none"],
                        help="load balancing: auxiliary loss, or DeepSeek-V3's aux-loss-free bias")
+    train.add_argument("--aux-coef", type=_positive_float, default=1e-2, help="balancing loss weight (default 0.01)")
+    train.add_argument("--bias-rate", type=_positive_float, default=1e-3,
+                       help="selection-bias step per update with --balance bias (default 0.001)")
     train.add_argument("--eval-every", type=_positive, default=50)
     train.add_argument("--save-every", type=_positive, default=100)
     train.add_argument("--seed", type=int, default=0)
@@ -285,6 +288,7 @@ def _train(args) -> int:
     options = TrainOptions(out=args.out, data=args.data, preset=args.preset, vocab_size=args.vocab_size, cp=args.cp,
                            ep=args.ep, seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
                            minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
+                           aux_coef=args.aux_coef, bias_rate=args.bias_rate,
                            eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,
                            bf16=args.bf16, activation_checkpointing=args.activation_checkpointing,
                            log_every=args.log_every)

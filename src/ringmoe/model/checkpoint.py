@@ -124,91 +124,62 @@ def _expect_shape(name: str, tensor: torch.Tensor, shape) -> None:
                          f"{tuple(shape)}")
 
 
-@torch.no_grad()
-def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False) -> LoadReport:
-    """Copy the checkpoint's tensors into ``model`` (its own experts only). Returns what was read.
+class _Reader:
+    """Reads tensors (or, dry_run, only their header shapes as meta tensors) from open safetensors files."""
 
-    dry_run: read only the headers (tensor shapes) and check them; nothing is copied.
-    Raises ValueError naming the tensor or file that does not fit the model's config.
-    """
-    path = Path(path)
-    files = _tensor_files(path)
-    params = dict(model.named_parameters())
-    expert_params = model.expert_parameters()
-    config = model.config
-    h, f = config.hidden_size, config.ffn_size
-    report = LoadReport()
-    filled: set[str] = set()
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, gate|up|down) -> expert -> weight
-    with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())}
+    def __init__(self, files: dict[str, Path], handles: dict, dry_run: bool, report: LoadReport):
+        self.files, self.handles, self.dry_run, self.report = files, handles, dry_run, report
 
-        def read(name, index=None):
-            handle = handles[files[name]]
-            _check_float(name, handle.get_slice(name).get_dtype(), files[name])
-            if dry_run:
-                shape = handle.get_slice(name).get_shape()
-                if index is not None:
-                    if not shape or not 0 <= index < shape[0]:
-                        raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(shape)} has no expert {index}")
-                    shape = shape[1:]
-                return torch.empty(shape, device="meta")
-            try:
-                tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
-            except Exception as error:  # truncated data behind a valid header
-                raise ValueError(f"cannot read tensor {name!r} from {str(files[name])!r}: {error}") from None
-            report.tensors.append(name if index is None else f"{name}[{index}]")
-            report.bytes_read += tensor.numel() * tensor.element_size()
-            return tensor
+    def dtype(self, name: str) -> str:
+        return self.handles[self.files[name]].get_slice(name).get_dtype()
 
-        def layer_of(name, number):
-            if not 0 <= number < config.num_layers:
-                raise ValueError(f"checkpoint tensor {name!r} belongs to layer {number}, but config.json has "
-                                 f"{config.num_layers} layers")
-            return model.layers[number]
-
-        for name in files:
-            if name.endswith(_QUANTIZATION_SUFFIXES):
-                _check_float(name, handles[files[name]].get_slice(name).get_dtype(), files[name])
-            short = name.removeprefix("model.")
-            if (m := _ROUTER.search(short)) is not None:
-                short = f"layers.{m.group(1)}.mlp.router.weight"
-            if (m := _SHARED.search(short)) is not None:  # Qwen2-MoE's shared expert and its gate, DeepSeek's
-                short = (short.replace("shared_expert_gate.", "shared.gate.").replace("shared_experts.", "shared.")
-                         .replace("shared_expert.", "shared."))
-            if short.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's selection bias (a buffer)
-                layer = int(short.split(".")[1])
-                bias = read(name)
-                _expect_shape(name, bias, (config.num_experts,))
-                if not dry_run:
-                    layer_of(name, layer).mlp.router.correction_bias.copy_(bias.float())
-                continue
-            if (m := _EXPERT.search(short)) is not None:
-                layer, expert, kind = int(m.group(1)), int(m.group(2)), _ROLE[m.group(3)]
-                if expert in layer_of(name, layer).mlp.slot_experts:
-                    weight = read(name)
-                    _expect_shape(name, weight, (h, f) if kind == "down" else (f, h))
-                    experts.setdefault((layer, kind), {})[expert] = weight
-            elif (m := _FUSED.search(short)) is not None:
-                layer, kind, bias = int(m.group(1)), m.group(2), m.group(3) is not None
-                for expert in layer_of(name, layer).mlp.slot_experts:
-                    weight = read(name, expert)
-                    for role, part in _fused_parts(config, f"{name}[{expert}]", weight, kind, bias):
-                        experts.setdefault((layer, role), {})[expert] = part
-            elif short in params and short not in expert_params:
-                weight = read(name)
-                _expect_shape(name, weight, params[short].shape)
-                if not dry_run:
-                    params[short].copy_(weight)
-                filled.add(short)
-    if model.config.tie_word_embeddings:
-        filled.add("lm_head.weight")
-    for index, layer in model.moe_layers():
-        local = layer.mlp.slot_experts
+    def __call__(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (its slice ``index`` along the first dim: one expert of a fused tensor)."""
+        handle = self.handles[self.files[name]]
+        _check_float(name, self.dtype(name), self.files[name])
+        if self.dry_run:
+            shape = handle.get_slice(name).get_shape()
+            if index is not None:
+                if not shape or not 0 <= index < shape[0]:
+                    raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(shape)} has no expert {index}")
+                shape = shape[1:]
+            return torch.empty(shape, device="meta")
         try:
-            stacked = {role: torch.stack([experts[(index, role)][e] for e in local])
-                       for role in ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias")
-                                                            if config.expert_bias else ())}
+            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        except Exception as error:  # truncated data behind a valid header
+            raise ValueError(f"cannot read tensor {name!r} from {str(self.files[name])!r}: {error}") from None
+        self.report.tensors.append(name if index is None else f"{name}[{index}]")
+        self.report.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def _ringmoe_name(name: str) -> str:
+    """A checkpoint tensor's name in ringmoe's module tree (routers, shared experts renamed; experts as they are)."""
+    short = name.removeprefix("model.")
+    if (m := _ROUTER.search(short)) is not None:
+        short = f"layers.{m.group(1)}.mlp.router.weight"
+    if _SHARED.search(short) is not None:  # Qwen2-MoE's shared expert and its gate, DeepSeek's shared experts
+        short = (short.replace("shared_expert_gate.", "shared.gate.").replace("shared_experts.", "shared.")
+                 .replace("shared_expert.", "shared."))
+    return short
+
+
+def _layer_of(model: MoETransformer, name: str, number: int):
+    if not 0 <= number < model.config.num_layers:
+        raise ValueError(f"checkpoint tensor {name!r} belongs to layer {number}, but config.json has "
+                         f"{model.config.num_layers} layers")
+    return model.layers[number]
+
+
+def _stack_experts(model: MoETransformer, experts: dict, dry_run: bool) -> set[str]:
+    """Copy each MoE layer's local experts (collected per (layer, role) and expert) into its stacked weights;
+    the parameter names filled."""
+    config, filled = model.config, set()
+    roles = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if config.expert_bias else ())
+    for index, layer in model.moe_layers():
+        try:
+            stacked = {role: torch.stack([experts[(index, role)][e] for e in layer.mlp.slot_experts])
+                       for role in roles}
         except KeyError as missing:
             raise ValueError(f"checkpoint lacks the weights of layer {index}'s expert {missing}") from None
         if not dry_run:
@@ -219,6 +190,55 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
                 mine.gate_up_bias.copy_(torch.cat([stacked["gate_bias"], stacked["up_bias"]], dim=1))
                 mine.down_bias.copy_(stacked["down_bias"])
         filled.update(f"layers.{index}.mlp.experts.{p}" for p, _ in layer.mlp.experts.named_parameters())
+    return filled
+
+
+@torch.no_grad()
+def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False) -> LoadReport:
+    """Copy the checkpoint's tensors into ``model`` (its own experts only). Returns what was read.
+
+    dry_run: read only the headers (tensor shapes) and check them; nothing is copied.
+    Raises ValueError naming the tensor or file that does not fit the model's config.
+    """
+    path = Path(path)
+    files = _tensor_files(path)
+    params, expert_params = dict(model.named_parameters()), model.expert_parameters()
+    config = model.config
+    h, f = config.hidden_size, config.ffn_size
+    report, filled = LoadReport(), set()
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, gate|up|down) -> expert -> weight
+    with contextlib.ExitStack() as stack:
+        read = _Reader(files, {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())},
+                       dry_run, report)
+        for name in files:
+            if name.endswith(_QUANTIZATION_SUFFIXES):
+                _check_float(name, read.dtype(name), files[name])
+            short = _ringmoe_name(name)
+            if short.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's selection bias (a buffer)
+                bias = read(name)
+                _expect_shape(name, bias, (config.num_experts,))
+                if not dry_run:
+                    _layer_of(model, name, int(short.split(".")[1])).mlp.router.correction_bias.copy_(bias.float())
+            elif (m := _EXPERT.search(short)) is not None:
+                layer, expert, kind = int(m.group(1)), int(m.group(2)), _ROLE[m.group(3)]
+                if expert in _layer_of(model, name, layer).mlp.slot_experts:
+                    weight = read(name)
+                    _expect_shape(name, weight, (h, f) if kind == "down" else (f, h))
+                    experts.setdefault((layer, kind), {})[expert] = weight
+            elif (m := _FUSED.search(short)) is not None:
+                layer, kind, bias = int(m.group(1)), m.group(2), m.group(3) is not None
+                for expert in _layer_of(model, name, layer).mlp.slot_experts:
+                    for role, part in _fused_parts(config, f"{name}[{expert}]", read(name, expert), kind, bias):
+                        experts.setdefault((layer, role), {})[expert] = part
+            elif short in params and short not in expert_params:
+                weight = read(name)
+                _expect_shape(name, weight, params[short].shape)
+                if not dry_run:
+                    params[short].copy_(weight)
+                filled.add(short)
+    if config.tie_word_embeddings:
+        filled.add("lm_head.weight")
+    filled |= _stack_experts(model, experts, dry_run)
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -253,12 +253,89 @@ def _rope(hf: dict) -> tuple[float, tuple]:
     return theta, tuple(sorted(rope.items()))
 
 
+def _no_attention_bias(hf: dict, family: str) -> None:
+    if hf.get("attention_bias"):
+        raise ValueError(f"attention_bias=True is not supported for {family}")
+
+
+def _mixtral(hf: dict) -> dict:
+    _no_attention_bias(hf, "Mixtral")
+    return dict(ffn_size=hf["intermediate_size"], num_experts=hf["num_local_experts"], normalize_topk=True)
+
+
+def _gpt_oss(hf: dict) -> dict:
+    bias = bool(hf.get("attention_bias", True))
+    return dict(ffn_size=hf["intermediate_size"], num_experts=hf["num_local_experts"], normalize_topk=True,
+                qkv_bias=bias, o_bias=bias, attention_sinks=True, router="topk_softmax", router_bias=True,
+                expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=1.702)
+
+
+def _deepseek_v3(hf: dict) -> dict:
+    _no_attention_bias(hf, "DeepSeek-V3")
+    nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    first_dense = hf.get("first_k_dense_replace", 0)
+    return dict(head_dim=nope + rope_dim, num_kv_heads=hf["num_attention_heads"], ffn_size=hf["moe_intermediate_size"],
+                num_experts=hf["n_routed_experts"], normalize_topk=bool(hf.get("norm_topk_prob", True)),
+                router="sigmoid_bias", n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                shared_ffn_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+                dense_layers=tuple(range(first_dense)), dense_ffn_size=hf["intermediate_size"] if first_dense else 0,
+                kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_nope_head_dim=nope,
+                qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
+                rope_interleave=bool(hf.get("rope_interleave", True)))
+
+
+def _olmoe(hf: dict) -> dict:
+    if hf.get("clip_qkv") is not None:
+        raise ValueError("OLMoE's clip_qkv is not supported")
+    _no_attention_bias(hf, "OLMoE")
+    return dict(ffn_size=hf["intermediate_size"], num_experts=hf["num_experts"],
+                normalize_topk=bool(hf.get("norm_topk_prob", False)), qk_norm_full=True)
+
+
+def _qwen_moe(hf: dict) -> dict:
+    """What Qwen3-MoE and Qwen2-MoE share: their experts and dense layers."""
+    dense = _dense_layers(hf, hf["num_hidden_layers"])
+    return dict(ffn_size=hf["moe_intermediate_size"], num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                normalize_topk=bool(hf.get("norm_topk_prob", False)), dense_layers=dense,
+                dense_ffn_size=hf.get("intermediate_size", 0) if dense else 0)
+
+
+def _qwen3_moe(hf: dict) -> dict:
+    _no_attention_bias(hf, "Qwen3-MoE")
+    return dict(qk_norm=True, **_qwen_moe(hf))
+
+
+def _qwen2_moe(hf: dict) -> dict:
+    shared = hf.get("shared_expert_intermediate_size", 0)
+    return dict(qkv_bias=bool(hf.get("qkv_bias", True)), shared_ffn_size=shared, shared_gated=bool(shared),
+                **_qwen_moe(hf))
+
+
+# what each family's config.json adds to the fields every family shares
+_FAMILIES = {"mixtral": _mixtral, "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3, "olmoe": _olmoe,
+             "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe}
+
+
+def _window(hf: dict, model_type: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types): Qwen configs carry a window that is off unless use_sliding_window."""
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") or None
+    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe") and not hf.get("use_sliding_window", model_type == "mixtral"):
+        window = None
+    layer_types = tuple(hf["layer_types"]) if hf.get("layer_types") and window else None
+    if model_type in ("qwen3_moe", "qwen2_moe") and window and hf.get("max_window_layers", layers) < layers:
+        layer_types = tuple("full_attention" if i < hf["max_window_layers"] else "sliding_attention"
+                            for i in range(layers))
+    return window, layer_types
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """A ModelConfig from a transformers config.json dict.
 
-    Families: MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, GptOssForCausalLM.
-    Raises ValueError for what this model does not implement (partial rotary, dynamic or longrope scaling,
-    OLMoE's clip_qkv, ...).
+    Families: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, gpt-oss and DeepSeek-V3 (``_FAMILIES``).  Raises ValueError for
+    what this model does not implement (quantized weights, partial rotary, dynamic or longrope scaling, OLMoE's
+    clip_qkv, ...).
     """
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -273,63 +350,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError(f"RoPE scaling {dict(scaling)['rope_type']!r} is not supported (linear, yarn, llama3 are)")
     if dict(scaling).get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
-    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
-    window = hf.get("sliding_window") or None
-    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe") and not hf.get("use_sliding_window", model_type == "mixtral"):
-        window = None  # Qwen configs carry a window that is off unless use_sliding_window
-    layer_types = tuple(hf["layer_types"]) if hf.get("layer_types") and window else None
-    if model_type in ("qwen3_moe", "qwen2_moe") and window and hf.get("max_window_layers", layers) < layers:
-        layer_types = tuple("full_attention" if i < hf["max_window_layers"] else "sliding_attention"
-                            for i in range(layers))
+    heads = hf["num_attention_heads"]
+    window, layer_types = _window(hf, model_type)
     common = dict(
-        arch=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+        arch=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, top_k=hf["num_experts_per_tok"],
         rope_theta=theta, rope_scaling=scaling, rms_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
         layer_types=layer_types,
     )
-    if model_type == "mixtral":
-        if hf.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported for Mixtral")
-        return ModelConfig(ffn_size=hf["intermediate_size"], num_experts=hf["num_local_experts"],
-                           normalize_topk=True, **common)
-    if model_type == "gpt_oss":
-        bias = bool(hf.get("attention_bias", True))
-        return ModelConfig(ffn_size=hf["intermediate_size"], num_experts=hf["num_local_experts"], normalize_topk=True,
-                           qkv_bias=bias, o_bias=bias, attention_sinks=True, router="topk_softmax",
-                           router_bias=True, expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-                           swiglu_alpha=1.702, **common)
-    if model_type == "deepseek_v3":
-        nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
-        if hf.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported for DeepSeek-V3")
-        first_dense = hf.get("first_k_dense_replace", 0)
-        return ModelConfig(**{**common, "head_dim": nope + rope_dim, "num_kv_heads": heads},
-                           ffn_size=hf["moe_intermediate_size"], num_experts=hf["n_routed_experts"],
-                           normalize_topk=bool(hf.get("norm_topk_prob", True)), router="sigmoid_bias",
-                           n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-                           routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                           shared_ffn_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
-                           dense_layers=tuple(range(first_dense)), dense_ffn_size=hf["intermediate_size"] if first_dense else 0,
-                           kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_nope_head_dim=nope,
-                           qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
-                           rope_interleave=bool(hf.get("rope_interleave", True)))
-    if model_type == "olmoe":
-        if hf.get("clip_qkv") is not None:
-            raise ValueError("OLMoE's clip_qkv is not supported")
-        if hf.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported for OLMoE")
-        return ModelConfig(ffn_size=hf["intermediate_size"], num_experts=hf["num_experts"],
-                           normalize_topk=bool(hf.get("norm_topk_prob", False)), qk_norm_full=True, **common)
-    dense = _dense_layers(hf, layers)
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    qwen = dict(ffn_size=hf["moe_intermediate_size"], num_experts=experts,
-                normalize_topk=bool(hf.get("norm_topk_prob", False)), dense_layers=dense,
-                dense_ffn_size=hf.get("intermediate_size", 0) if dense else 0)
-    if model_type == "qwen3_moe":
-        if hf.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported for Qwen3-MoE")
-        return ModelConfig(qk_norm=True, **qwen, **common)
-    return ModelConfig(qkv_bias=bool(hf.get("qkv_bias", True)), shared_ffn_size=hf.get("shared_expert_intermediate_size", 0),
-                       shared_gated=bool(hf.get("shared_expert_intermediate_size", 0)), **qwen, **common)
+    return ModelConfig(**{**common, **_FAMILIES[model_type](hf)})

@@ -49,6 +49,8 @@ class TrainOptions:
     lr: float = 3e-3
     warmup: int = 20
     balance: str = "aux"
+    aux_coef: float = 1e-2              # weight of the Switch balancing loss (balance="aux")
+    bias_rate: float = 1e-3             # step of the selection bias per update (balance="bias")
     clip: float = 1.0
     seed: int = 0
     eval_every: int = 50
@@ -131,7 +133,8 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
     model = MoETransformer(config, mesh, options.layout)
     model.init_weights(options.seed)
     settings = TrainConfig(rows=options.rows, lr=options.lr, warmup=options.warmup, steps=options.steps,
-                           clip=options.clip, balance=options.balance, bf16=options.bf16,
+                           clip=options.clip, balance=options.balance, aux_coef=options.aux_coef,
+                           bias_rate=options.bias_rate, bf16=options.bf16,
                            activation_checkpointing=options.activation_checkpointing)
     trainer = Trainer(model, settings, PackedStream(train_docs, options.seqlen, eos))
     validation = PackedStream(val_docs, options.seqlen, eos)
