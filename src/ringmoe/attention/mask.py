@@ -17,7 +17,7 @@ whose right side is zero).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -45,9 +45,6 @@ class AttentionSpec:
     # -- resolved bounds -------------------------------------------------
     def resolve_offset(self, seqlen_q: int, seqlen_k: int) -> int:
         return seqlen_k - seqlen_q if self.offset is None else self.offset
-
-    def with_offset(self, offset: int) -> "AttentionSpec":
-        return replace(self, offset=offset)
 
     @property
     def right(self) -> int | None:

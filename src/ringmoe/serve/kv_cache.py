@@ -100,11 +100,6 @@ class BlockManager:
         return found
 
     # -- allocation ---------------------------------------------------------------------
-    def can_allocate(self, num_blocks: int, reusing: list[int] = ()) -> bool:
-        """Room for ``num_blocks`` fresh blocks after taking the cached blocks ``reusing``."""
-        reclaimed = sum(1 for b in reusing if self.blocks[b].ref_count == 0)
-        return self.num_free - reclaimed >= num_blocks
-
     def admit(self, request_id: str, tokens: list[int]) -> int:
         """Start a request: take its longest cached prefix; returns the number of cached tokens."""
         if request_id in self.owned:
@@ -173,10 +168,6 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in self.free:
-            self._forget(self.blocks[block_id])
 
     # -- internals ----------------------------------------------------------------------
     def _reference(self, block_id: int) -> None:

@@ -95,9 +95,3 @@ class TemplateWorkers:
     async def close(self) -> None:
         for proc in list(self._all):
             await self._kill(proc)
-
-    def kill_now(self) -> None:
-        """Synchronous last resort (process exit): end every worker."""
-        for proc in list(self._all):
-            if proc.returncode is None:
-                proc.kill()
