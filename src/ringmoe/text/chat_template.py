@@ -4,7 +4,7 @@ A chat template comes with a downloaded checkpoint, so it is code the operator d
 loop for hours (``{% for i in range(10**5) %}{% for j in range(10**5) %}``) or build a gigabyte string.
 ``render_chat`` renders in jinja2's ``ImmutableSandboxedEnvironment`` (no attribute access to Python
 internals, no mutation of the inputs).  A server runs it in this file as a separate process
-(``python -I template_worker.py``; it imports jinja2 and the standard library only, so it starts in
+(``python -I chat_template.py``; it imports jinja2 and the standard library only, so it starts in
 milliseconds), whose address space is capped; the server kills and replaces the process when a render
 outlasts its time limit (``serve.templates.TemplateWorkers``).
 
