@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,14 @@ def served_checkpoint(tmp_path_factory):
 
 
 MODEL = "tiny-moe"
+
+
+def metric(url: str, name: str) -> float:
+    """A Prometheus metric of the server at ``url``, summed over its labels."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(x) for x in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M))
 
 
 def children(pid: int) -> list[int]:

@@ -6,7 +6,6 @@ come back to 0 running requests and 0 KV blocks: a bad request harms only itself
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -17,7 +16,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")
 
-from ..served import MODEL, Server  # noqa: E402
+from ..served import MODEL, Server, metric  # noqa: E402
 
 KEY = "sk-test-4f1d"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -26,15 +25,10 @@ LIMITS = ["--max-body-bytes", "200000", "--header-timeout", "2", "--body-timeout
           "--max-stop-strings", "4", "--graceful", "2"]
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(x) for x in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M))
-
-
 def _idle(url: str, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if _metric(url, "ringmoe:num_requests_running") == 0 and _metric(url, "ringmoe:kv_cache_usage_perc") == 0:
+        if metric(url, "ringmoe:num_requests_running") == 0 and metric(url, "ringmoe:kv_cache_usage_perc") == 0:
             return True
         time.sleep(0.05)
     return False

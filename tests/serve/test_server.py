@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import threading
 import time
@@ -20,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 from ringmoe.serve.bench import BenchConfig, run_benchmark  # noqa: E402
 
-from ..served import MODEL, Server, alive  # noqa: E402
+from ..served import MODEL, Server, alive, metric  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1x1", "2x2"])
@@ -117,12 +116,6 @@ def test_models_and_metrics(server):
         assert name in text, name
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    found = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-    return sum(float(x) for x in found)
-
-
 def test_bounded_load_without_errors(server):
     result = run_benchmark(BenchConfig(server.url, MODEL, num_prompts=200, concurrency=32, input_len=(4, 40),
                                        output_len=(1, 12), timeout=60))
@@ -145,12 +138,12 @@ def test_disconnect_storm_frees_every_kv_block(server):
         t.join(timeout=30)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if _metric(server.url, "ringmoe:kv_cache_usage_perc") == 0 and \
-                _metric(server.url, "ringmoe:num_requests_running") == 0:
+        if metric(server.url, "ringmoe:kv_cache_usage_perc") == 0 and \
+                metric(server.url, "ringmoe:num_requests_running") == 0:
             break
         time.sleep(0.2)
-    assert _metric(server.url, "ringmoe:kv_cache_usage_perc") == 0
-    assert _metric(server.url, "ringmoe:request_success_total") >= 1
+    assert metric(server.url, "ringmoe:kv_cache_usage_perc") == 0
+    assert metric(server.url, "ringmoe:request_success_total") >= 1
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
