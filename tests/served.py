@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,18 +88,26 @@ class Server:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server can never block on it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
              "--served-model-name", MODEL, "--cp", str(cp), "--ep", str(ep), "--kv-cache-tokens", "4096", *extra]
             + (["--api-key", api_key] if api_key else []),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=self.log, text=True, start_new_session=True,
             env={**os.environ, **(env or {})})
         try:
             wait_healthy(self.url, self.proc, 90)
-        except RuntimeError:
-            self.stop()
-            raise
+        except RuntimeError as error:
+            _, err = self.stop()
+            raise RuntimeError(f"{error}\n{err[-3000:]}") from None
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0, timeout=60)
+
+    def stderr(self) -> str:
+        """What the server has written to stderr so far (its logs)."""
+        self.log.seek(0)
+        text = self.log.read()
+        self.log.seek(0, 2)
+        return text
 
     def ranks(self) -> list[int]:
         return children(self.proc.pid)
@@ -108,10 +117,11 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            _, err = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
+            self.proc.wait()
+        err = self.stderr()
         for pid in everything:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -183,7 +183,14 @@ def _add_serve(sub) -> None:
                        "replicas for attention)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the folder's)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
+                       "checkpoint's: config.json _name_or_path, else the folder's, the run's for RUN/hf)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "deepseek_v3", "none"],
+                       help="the model's tool-call syntax (default: deepseek_v3 for DeepSeek-V3, else hermes)")
+    serve.add_argument("--json-any-whitespace", action="store_true", help="let JSON grammars (response_format, "
+                       "forced tool calls) put whitespace between tokens (default: compact JSON)")
+    serve.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; "
+                       "default: none)")
     serve.add_argument("--max-num-seqs", type=_positive, default=64, help="running requests per ep group")
     serve.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per step per ep group")
     serve.add_argument("--kv-cache-tokens", type=_positive, default=65536, help="KV cache per rank, in tokens")
@@ -213,6 +220,10 @@ _LIMIT_HELP = {
     "tokenizer_threads": "threads that tokenize prompts",
     "graceful_s": "seconds in-flight requests get after SIGTERM before they end with an error",
     "log_requests": "log one line per request", "max_log_len": "prompt characters per logged request",
+    "max_choices": "choices per request (prompts x n)", "max_tools": "tool definitions per request",
+    "max_logit_bias": "logit_bias entries per request",
+    "grammar_timeout_s": "seconds a structured-output grammar may take to compile (400 past it)",
+    "log_stats_s": "seconds between throughput lines while requests run (0: none)",
 }
 
 
@@ -309,11 +320,15 @@ def _add_bench(sub) -> None:
     serve.add_argument("--rate", default="inf", help="requests per second, comma separated (inf: all at once)")
     serve.add_argument("--num-prompts", type=_positive, default=32)
     serve.add_argument("--concurrency", type=_positive, default=32)
-    serve.add_argument("--input-len", default="64", help="prompt words: N or LO:HI")
+    serve.add_argument("--input-len", default="64", help="prompt tokens: N or LO:HI (the served tokenizer's: "
+                       "--tokenizer, else the server's /tokenize; words when it has neither)")
     serve.add_argument("--output-len", default="64", help="max_tokens: N or LO:HI")
     serve.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds per request")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (some servers reject it)")
+    serve.add_argument("--tokenizer", metavar="DIR", default=None, help="a folder with the served tokenizer.json")
+    serve.add_argument("--dataset", metavar="FILE.jsonl", default=None, help="replay these prompts: one "
+                       '{"prompt": ..., "max_tokens": ...} per line')
     serve.add_argument("--out", metavar="FILE", help="write the results as JSON")
     serve.add_argument("--png", metavar="FILE", help="draw latency and throughput against the request rate")
     for parser in (bench_parser, serve):
@@ -351,7 +366,7 @@ def _bench_serve(args) -> int:
     for rate in rates:
         config = BenchConfig(args.url.rstrip("/"), args.model, args.num_prompts, rate, args.concurrency,
                              _span("--input-len", args.input_len), _span("--output-len", args.output_len),
-                             args.seed, args.timeout, args.ignore_eos)
+                             args.seed, args.timeout, args.ignore_eos, args.tokenizer, args.dataset)
         result = run_benchmark(config)
         runs.append(result)
         console.print(f"rate {result['rate']}: {result['completed']}/{args.num_prompts} ok, {result['errors']} errors, "
@@ -382,7 +397,9 @@ def _serve(args) -> int:
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                            deterministic=args.deterministic, dtype=args.dtype, threads=args.threads,
                            limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),
-                           api_key=args.api_key if args.api_key is not None else os.environ.get("RINGMOE_API_KEY"))
+                           api_key=args.api_key if args.api_key is not None else os.environ.get("RINGMOE_API_KEY"),
+                           tool_call_parser=args.tool_call_parser, json_any_whitespace=args.json_any_whitespace,
+                           allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
     return run_server(options, args.launcher)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["read_json"]
+__all__ = ["read_json", "read_json_lines"]
 
 
 def read_json(path: Path) -> dict:
@@ -19,3 +19,21 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_json_lines(path: Path) -> list:
+    """The values of a JSON-lines file (blank lines skipped); ValueError naming the file and line otherwise."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read {str(path)!r}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text: {error}") from None
+    values = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                values.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{str(path)!r} line {number} is not valid JSON: {error}") from None
+    return values

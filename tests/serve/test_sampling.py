@@ -13,9 +13,10 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
-                                          ("top_p", 1.5), ("min_p", -0.1), ("top_k", 1.5), ("max_tokens", 0),
+                                          ("top_p", 1.5), ("min_p", -0.1), ("top_k", 1.5), ("max_tokens", -1),
                                           ("presence_penalty", 3), ("repetition_penalty", 0), ("logprobs", 21),
-                                          ("stop", [""]), ("seed", "1"), ("stop_token_ids", [-1])])
+                                          ("stop", [""]), ("seed", "1"), ("stop_token_ids", [-1]), ("n", 0),
+                                              ("logit_bias", ((1, 101.0),)), ("prompt_logprobs", 21)])
 def test_every_field_is_validated_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -85,7 +85,7 @@ def test_stop_seed_and_logprobs(server):
     (b"{not json", 400, None),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL}, 400, "prompt"),
@@ -192,7 +192,7 @@ def test_a_rank_killed_during_load_ends_the_mesh_server_with_the_rank_named(serv
         os.kill(ranks[2], signal.SIGKILL)
         s.proc.wait(timeout=20)
         assert time.monotonic() - killed < 10
-        err = s.proc.stderr.read()
+        err = s.stderr()
         assert s.proc.returncode not in (0, None)
         assert "rank 2 was killed by SIGKILL" in err, err
         deadline = time.monotonic() + 5

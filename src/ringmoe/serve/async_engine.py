@@ -37,7 +37,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    last_token: float | None = None
+    open_samples: int = 1  # samples (n) not finished yet
 
 
 class AsyncEngine:
@@ -73,14 +73,18 @@ class AsyncEngine:
         return self._pending + sum(len(g.waiting) for g in self.engine.groups)
 
     # -- called from the event loop ------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Queue a validated request; returns its id and the queue its outputs arrive on."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               outputs: asyncio.Queue | None = None) -> tuple[str, asyncio.Queue]:
+        """Queue a validated request; returns its id and the queue its outputs arrive on (``outputs`` when
+        given: several requests may share one).  Every sample (n) of it arrives there, tagged by group_id
+        (the id returned) and index."""
         if not self.alive:
             raise EngineFailed(f"the engine stopped: {self.failed!r}")
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting={self.max_waiting})")
         request_id = uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        stream = _Stream(asyncio.get_running_loop(), outputs if outputs is not None else asyncio.Queue(),
+                         time.monotonic(), params.n)
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending += 1
@@ -98,6 +102,13 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _close_sample(self, group_id: str) -> None:
+        stream = self._streams.get(group_id)
+        if stream is not None:
+            stream.open_samples -= 1
+            if stream.open_samples <= 0:
+                del self._streams[group_id]
 
     def _run(self) -> None:
         engine = self.engine
@@ -129,9 +140,9 @@ class AsyncEngine:
                     continue
                 outputs = engine.step()
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    self._deliver(out.group_id, out)
                     if out.finished:
-                        self._streams.pop(out.request_id, None)
+                        self._close_sample(out.group_id)
                 if self.on_step is not None:
                     self.on_step(engine.last_stats, outputs)
         except BaseException as error:  # a rank died or a collective broke: fail every open request

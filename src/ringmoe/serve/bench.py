@@ -4,8 +4,12 @@ Requests arrive as a Poisson process of ``rate`` per second (``inf``: all at onc
 ``concurrency`` in flight; each streams a /v1/completions answer.  Per request: time to first token
 (TTFT), inter-token latencies (ITL, between streamed chunks), time per output token after the first
 (TPOT) and end-to-end latency; per run: output and total tokens per second, percentiles, errors.
-Prompts are words drawn from a fixed list (about one token each; the server's usage counts are
-reported when it sends them).  Bounded: ``num_prompts`` requests and a per-request ``timeout``.
+Prompt lengths are in tokens of the served tokenizer: ``tokenizer`` (a checkpoint folder) when given,
+else the server's own ``/tokenize`` (ringmoe and vLLM have it): a stream of random words is tokenized
+once and each prompt is the text of a slice of exactly ``input_len`` of its tokens.  A server with
+neither gets words (about one token each; the usage counts the server reports are what the results
+use).  ``dataset``: a JSON-lines file of {"prompt": str[, "max_tokens": int]} replayed in order (cycled
+to ``num_prompts``).  Bounded: ``num_prompts`` requests and a per-request ``timeout``.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ class BenchConfig:
     num_prompts: int = 32
     rate: float = math.inf
     concurrency: int = 32
-    input_len: tuple[int, int] = (64, 64)   # words per prompt, uniform in [lo, hi]
+    input_len: tuple[int, int] = (64, 64)   # prompt tokens, uniform in [lo, hi]
     output_len: tuple[int, int] = (64, 64)  # max_tokens, uniform in [lo, hi]
     seed: int = 0
     timeout: float = 300.0
     ignore_eos: bool = False  # a vLLM extra some servers reject (transformers serve does)
+    tokenizer: str | None = None  # a folder with tokenizer.json: prompt lengths in its tokens
+    dataset: str | None = None  # a JSON-lines file of {"prompt"[, "max_tokens"]}
 
 
 @dataclass
@@ -127,14 +133,59 @@ async def _one(client, config: BenchConfig, prompt: str, max_tokens: int) -> Req
     return result
 
 
+def _token_counter(config: BenchConfig):
+    """(encode, decode) of the served tokenizer: the local folder, else the server's /tokenize and /detokenize,
+    else None (the server has neither)."""
+    if config.tokenizer is not None:
+        from ..text import Tokenizer
+
+        tokenizer = Tokenizer(config.tokenizer)
+        return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode
+    import httpx
+
+    def call(path, body):
+        reply = httpx.post(f"{config.url}{path}", json={"model": config.model, **body}, timeout=60)
+        reply.raise_for_status()
+        return reply.json()
+
+    try:
+        call("/tokenize", {"prompt": "probe", "add_special_tokens": False})
+    except (httpx.HTTPError, ValueError):
+        return None
+    return (lambda text: call("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"],
+            lambda ids: call("/detokenize", {"tokens": ids})["prompt"])
+
+
+def make_prompts(config: BenchConfig) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens) of every request of the run."""
+    rng = random.Random(config.seed)
+    if config.dataset is not None:
+        from ..jsonio import read_json_lines
+
+        rows = read_json_lines(config.dataset)
+        if not rows or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in rows):
+            raise ValueError(f"--dataset {config.dataset}: every line must be an object with a string 'prompt'")
+        return [(row["prompt"], int(row.get("max_tokens") or rng.randint(*config.output_len)))
+                for row in (rows[i % len(rows)] for i in range(config.num_prompts))]
+    lengths = [rng.randint(*config.input_len) for _ in range(config.num_prompts)]
+    outputs = [rng.randint(*config.output_len) for _ in range(config.num_prompts)]
+    counter = _token_counter(config)
+    if counter is None:  # words: about one token each
+        return [(" ".join(rng.choice(WORDS) for _ in range(n)), m) for n, m in zip(lengths, outputs)]
+    encode, decode = counter
+    stream = encode(" ".join(rng.choice(WORDS) for _ in range(2 * max(lengths) + 64)))
+    prompts = []
+    for n, m in zip(lengths, outputs):
+        start = rng.randrange(0, len(stream) - n)
+        prompts.append((decode(stream[start:start + n]), m))
+    return prompts
+
+
 async def _run(config: BenchConfig) -> tuple[list[RequestResult], float]:
     import httpx
 
-    rng = random.Random(config.seed)
-    jobs = []
-    for _ in range(config.num_prompts):
-        words = rng.randint(*config.input_len)
-        jobs.append((" ".join(rng.choice(WORDS) for _ in range(words)), rng.randint(*config.output_len)))
+    rng = random.Random(config.seed + 1)
+    jobs = await asyncio.get_running_loop().run_in_executor(None, make_prompts, config)
     gate = asyncio.Semaphore(config.concurrency)
     limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=config.timeout) as client:

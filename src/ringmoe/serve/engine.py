@@ -42,8 +42,9 @@ from .kv_cache import BlockManager
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
 from .runner import ModelRunner, WorkItem
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, next_token, prompt_choices
 from .scheduler import Scheduler
+from .structured import grammar_masks
 
 __all__ = ["Engine", "StepStats"]
 
@@ -92,6 +93,14 @@ class Engine:
     engine with its last output, so memory stays flat however many requests pass.  return_logits: each
     RequestOutput carries the (vocab,) float32 logits its token was drawn from (exactness checks).
     A request whose sampling fails (NaN logits, say) ends alone with finish_reason "error".
+
+    Parallel samples (``params.n > 1``): the prompt is computed once; when its first token is drawn the
+    request forks into n (ids ``rid``, ``rid#1`` ... ``rid#{n-1}``, sharing the prompt's KV blocks with copy
+    on write; at cp > 1 the samples recompute the prompt), each drawing from its own generator (seed + i).
+    Every output carries ``group_id`` (the id add_request returned) and ``index``.  ``abort`` takes the group.
+    Prompt logprobs (``params.prompt_logprobs``) come from the prefill's hidden states, chunk by chunk (no
+    prefix-cache hit skips them), on the request's first output.  A grammar (``params.grammar``) masks the
+    logits of its request each step; when the grammar is complete the request ends with "stop".
     """
 
     def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int | None = 32768, block_size: int = 16,
@@ -146,6 +155,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
         self._group_of: dict[str, int] = {}
+        self._members: dict[str, list[str]] = {}  # group id -> its unfinished request ids (n > 1: the samples)
         self.last_stats = StepStats()
         # per rank, since the start: requests of its ep group, peak KV blocks, expert rows, ring seconds
         self.rank_report = [{"rank": r, "cp_rank": r // ep, "ep_rank": r % ep, "requests": 0, "kv_blocks_peak": 0,
@@ -177,6 +187,11 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {bad[:5]}")
+        if params.prompt_logprobs is not None and self.mesh.cp > 1:
+            raise ValueError("prompt_logprobs needs cp = 1 (a ring prefill keeps only the last position's state)")
         if not self.is_driver:
             raise RuntimeError("requests go to the driver (rank 0); other ranks call run_worker()")
         group = min(range(len(self.groups)), key=lambda g: (len(self.groups[g].running) + len(self.groups[g].waiting),
@@ -185,16 +200,30 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id must be a new string, got {request_id!r}")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
-        request = Request(request_id, ids, params, torch.Generator().manual_seed(seed))
-        if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        request = self._new_request(request_id, ids, params, 0)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         self.groups[group].add(request)
         self.requests[request_id] = request
         self._group_of[request_id] = group
+        self._members[request_id] = [request_id]
         for row in self.rank_report:
             row["requests"] += row["ep_rank"] == group
         return request_id
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, index: int,
+                     group_id: str = "") -> Request:
+        """Sample ``index`` of a request: its generator (seed + index when seeded), detokenizer and grammar state."""
+        if params.seed is not None:
+            seed = (params.seed + index + 2**63) % 2**64 - 2**63  # stays a signed 64-bit seed
+        else:
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        request = Request(request_id, ids, params, torch.Generator().manual_seed(seed), group_id=group_id, index=index)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        if params.grammar is not None:
+            request.matcher = params.grammar.matcher()
+        return request
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -210,12 +239,13 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks (no-op for unknown or finished ids)."""
-        request = self.requests.get(request_id)
-        if request is None or request.status == Status.FINISHED:
-            return
-        self._finish(request, "abort")
-        del self.requests[request_id]
+        """Stop a request (every sample of it) now and free its KV blocks (no-op for unknown or finished ids)."""
+        for member in self._members.get(request_id, [request_id]):
+            request = self.requests.get(member)
+            if request is None or request.status == Status.FINISHED:
+                continue
+            self._finish(request, "abort")
+            del self.requests[member]
 
     @property
     def has_unfinished(self) -> bool:
@@ -226,7 +256,7 @@ class Engine:
         """One step of the whole mesh (driver only); outputs of the requests that advanced."""
         start = time.perf_counter()
         batches = [g.schedule() for g in self.groups]
-        plan = [[self._work_item(g, request, count) for request, count in batch.items]
+        plan = [[self._work_item(g, request, count, batch.copies) for request, count in batch.items]
                 for g, batch in enumerate(batches)]
         outputs: list[RequestOutput] = []
         reports, rank_stats = {}, []
@@ -249,20 +279,33 @@ class Engine:
                     # the next query sits at num_computed and sees keys from num_computed - reach on
                     blocks.drop_before(request.request_id,
                                        max(0, request.num_computed - self.window_reach) // blocks.block_size)
+        for g, batch in enumerate(batches):
+            for request, count in batch.items:
+                if ("all", request.request_id) in reports:
+                    self._prompt_logprobs(request, request.num_computed - count, reports[("all", request.request_id)])
         due = [r for batch in batches for r, _ in batch.items if r.remaining == 0]
+        prompt_only = [r for r in due if r.params.max_tokens == 0]
+        due = [r for r in due if r.params.max_tokens > 0]
+        outputs = [out for r in prompt_only for out in self._prompt_only(r)]
         if due:
             hidden = torch.stack([reports[r.request_id] for r in due])
             with torch.no_grad(), self._invariance():
                 logits = self.model.lm_head(hidden.to(self.runner.device)).float()
-            outputs = [self._advance(r, row) for r, row in zip(due, logits)]
-            for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
-                if out.finished:
-                    del self.requests[out.request_id]
+            masks = grammar_masks([r.matcher for r in due], logits.shape[1])
+            outputs += [out for r, row, mask in zip(due, logits, masks) for out in self._advance(r, row, mask)]
+        for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+                members = self._members.get(out.group_id)
+                if members is not None and out.request_id in members:
+                    members.remove(out.request_id)
+                    if not members:
+                        del self._members[out.group_id]
         self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
         self.num_preemptions += self.last_stats.preempted
         return outputs
 
-    def _work_item(self, group: int, request: Request, count: int) -> WorkItem:
+    def _work_item(self, group: int, request: Request, count: int, copies: dict) -> WorkItem:
         blocks = self.groups[group].blocks
         due = request.num_computed + count == request.num_tokens
         tokens = request.all_ids[request.num_computed:request.num_computed + count]
@@ -272,7 +315,8 @@ class Engine:
                             kind, blocks.ring_len[request.request_id], due)
         generated = count == 1 and request.num_computed >= len(request.prompt_ids)
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
-                        "paged", 0, due, generated)
+                        "paged", 0, due, generated, report_all=request.needs_prompt_logprobs,
+                        copies=copies.get(request.request_id))
 
     def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
         """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""
@@ -322,53 +366,110 @@ class Engine:
         if self.is_driver and self.mesh.size > 1:
             dist.broadcast_object_list([None], src=0)
 
-    def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
-        """Sample ``request``'s next token and apply its stop rules; if anything of that fails (NaN logits, a
-        token its detokenizer cannot take...), the request ends alone with finish_reason "error"."""
+    def _advance(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> list[RequestOutput]:
+        """Sample ``request``'s next token (and, at its first token under n > 1, fork the other samples, which
+        draw theirs from the same logits); the outputs."""
+        forks = self._fork(request) if request.params.n > 1 and request.index == 0 and not request.output_ids else []
+        return [self._sample_safely(r, logits, mask) for r in [request, *forks]]
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The other n - 1 samples of ``parent``'s prompt, computed as far as it (sharing its blocks)."""
+        group = self._group_of[parent.request_id]
+        children = []
+        for index in range(1, parent.params.n):
+            child = self._new_request(f"{parent.request_id}#{index}", parent.prompt_ids, parent.params, index,
+                                      parent.group_id)
+            child.prompt_logprobs, child.arrival = parent.prompt_logprobs, parent.arrival
+            self.groups[group].add_fork(child, parent)
+            self.requests[child.request_id] = child
+            self._group_of[child.request_id] = group
+            self._members[parent.group_id].append(child.request_id)
+            children.append(child)
+        return children
+
+    def _sample_safely(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> RequestOutput:
+        """Sample and apply the stop rules; if anything of that fails (NaN logits, a token its detokenizer
+        cannot take...), the request ends alone with finish_reason "error"."""
         emitted_before = request.emitted
         try:
-            return self._sample(request, logits)
+            return self._sample(request, logits, mask)
         except Exception as error:
             log.error("request %s ends with an error: %s", request.request_id, error)
             if request.status != Status.FINISHED:
                 self._finish(request, "error")
-            return RequestOutput(request.request_id, [], request.text[emitted_before:request.emitted], True, "error",
-                                 [], list(request.output_ids), request.text[:request.emitted], request.timings(),
-                                 error=str(error))
+            return self._output(request, [], request.text[emitted_before:request.emitted], "error", [],
+                                error=str(error))
 
-    def _sample(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+    def _output(self, request: Request, new_ids: list[int], delta: str, reason: str | None, logprobs: list,
+                **extra) -> RequestOutput:
+        """A RequestOutput of ``request``; its first one carries the prompt logprobs when they were asked for."""
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.reported_prompt:
+            prompt_logprobs, request.reported_prompt = request.prompt_logprobs, True
+        return RequestOutput(request.request_id, new_ids, delta, reason is not None, reason, logprobs,
+                             list(request.output_ids), request.text[:request.emitted], request.timings(),
+                             group_id=request.group_id, index=request.index, prompt_logprobs=prompt_logprobs,
+                             **extra)
+
+    def _prompt_logprobs(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens that the rows ``hidden`` (n, hidden) at positions start ..
+        start + n - 1 predict (row j predicts token start + j + 1) and that are not recorded yet."""
+        first, last = len(request.prompt_logprobs), min(start + hidden.shape[0], len(request.prompt_ids) - 1)
+        if first > last or first - 1 < start:
+            return
+        rows = hidden[first - 1 - start:last - start]
+        with torch.no_grad(), self._invariance():
+            logits = self.model.lm_head(rows.to(self.runner.device)).float()
+        request.prompt_logprobs += prompt_choices(logits, request.prompt_ids[first:last + 1],
+                                                  request.params.prompt_logprobs)
+
+    def _prompt_only(self, request: Request) -> list[RequestOutput]:
+        """max_tokens 0: the prompt is computed (its logprobs recorded); every sample ends now with "length"."""
+        self._finish(request, "length")
+        outputs = [self._output(request, [], "", "length", [])]
+        for index in range(1, request.params.n):
+            twin = Request(f"{request.request_id}#{index}", request.prompt_ids, request.params,
+                           group_id=request.group_id, index=index, prompt_logprobs=request.prompt_logprobs)
+            twin.arrival, twin.finished_at = request.arrival, request.finished_at
+            outputs.append(self._output(twin, [], "", "length", []))
+        return outputs
+
+    def _sample(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> RequestOutput:
         params = request.params
         banned = []
         if len(request.output_ids) < params.min_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
-        choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned)
+        choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned, mask)
         request.output_ids.append(choice.token)
         if params.logprobs is not None:
             request.logprobs.append(choice)
         if request.first_token is None:
             request.first_token = time.monotonic()
-        reason = None
+        reason, stop_string = None, False
         stop_id = choice.token in params.stop_token_ids or (not params.ignore_eos and choice.token in self.eos_ids)
+        grammar_done = request.matcher is not None and request.matcher.advance(choice.token)
         if stop_id:
             reason = "stop"
         elif request.detokenizer is not None:
             request.text += request.detokenizer.add(choice.token)
             reason = self._stop_string(request)
+            stop_string = reason is not None
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and len(request.output_ids) >= params.max_tokens:
             reason = "length"
         emitted_before = request.emitted
         if reason is not None:
-            if request.detokenizer is not None and reason == "length":
+            if request.detokenizer is not None and not (stop_id or stop_string):  # the text ends whole
                 request.text += request.detokenizer.flush()
             self._finish(request, reason)
             request.emitted = len(request.text)
         else:  # hold back what could still become the start of a stop string
             hold = max((len(s) - 1 for s in params.stop), default=0)
             request.emitted = max(request.emitted, len(request.text) - hold)
-        return RequestOutput(request.request_id, [choice.token], request.text[emitted_before:request.emitted],
-                             reason is not None, reason, [choice] if params.logprobs is not None else [],
-                             list(request.output_ids), request.text[:request.emitted], request.timings(),
-                             logits=logits if self.return_logits else None)
+        return self._output(request, [choice.token], request.text[emitted_before:request.emitted], reason,
+                            [choice] if params.logprobs is not None else [],
+                            logits=logits if self.return_logits else None)
 
     @staticmethod
     def _stop_string(request: Request) -> str | None:
@@ -415,15 +516,22 @@ class Engine:
 
     # -- offline ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run a whole batch (strings or token-id lists, any lengths); the final output of each, in order."""
+        """Run a whole batch (strings or token-id lists, any lengths); the final output of every sample, in order
+        (prompt by prompt, then sample index; n > 1 gives n per prompt), each with its prompt logprobs."""
         if not isinstance(params, list):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params ({len(params)}) must match prompts ({len(prompts)})")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        final: dict[str, RequestOutput] = {}
-        while any(i not in final for i in ids):
+        want = [(rid, index) for rid, sp in zip(ids, params) for index in range((sp or SamplingParams()).n)]
+        final: dict[tuple[str, int], RequestOutput] = {}
+        prompt_logprobs: dict[str, list] = {}
+        while len(final) < len(want):
             for out in self.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.group_id] = out.prompt_logprobs
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                    final[(out.group_id, out.index)] = out
+        for (rid, _), out in final.items():
+            out.prompt_logprobs = prompt_logprobs.get(rid, out.prompt_logprobs)
+        return [final[key] for key in want]

@@ -8,6 +8,12 @@ Prefix caching.  A *full* block is named by a chained hash of its tokens,
 block (the tokens are compared as well on a hit, so a hash collision can never serve wrong K/V).
 Blocks that no request references stay in the cache, in a least-recently-freed queue, and are
 reused on a later hit or evicted (their hash forgotten) when a fresh block is needed.
+
+Forks.  Parallel samples of one prompt (``n > 1``) share its blocks: ``fork`` gives the child the
+parent's block table and raises each block's reference count.  A block is written only by a request
+that owns it alone: before a request writes into a shared (partially filled) block,
+``copy_on_write`` hands it a fresh block and returns the (source, destination) copy the runner must
+make first.  Full blocks are never written again, so only the last prompt block is ever copied.
 """
 
 from __future__ import annotations
@@ -100,11 +106,12 @@ class BlockManager:
         return found
 
     # -- allocation ---------------------------------------------------------------------
-    def admit(self, request_id: str, tokens: list[int]) -> int:
-        """Start a request: take its longest cached prefix; returns the number of cached tokens."""
+    def admit(self, request_id: str, tokens: list[int], use_cache: bool = True) -> int:
+        """Start a request: take its longest cached prefix (none when ``use_cache`` is False: a request that
+        asked for prompt logprobs must compute every position); returns the number of cached tokens."""
         if request_id in self.owned:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        hits = self.longest_cached_prefix(tokens)
+        hits = self.longest_cached_prefix(tokens) if use_cache else []
         owned = self.owned[request_id] = _Owned()
         for block_id in hits:
             self._reference(block_id)
@@ -122,6 +129,33 @@ class BlockManager:
             raise NoFreeBlocks(f"need {needed} blocks, {self.num_free} free")
         for _ in range(needed):
             owned.blocks.append(self._take_free())
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's block table: every block shared (one more reference each)."""
+        if child_id in self.owned:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        parent = self.owned[parent_id]
+        for block_id in parent.blocks[parent.dropped:]:
+            self.blocks[block_id].ref_count += 1
+        self.owned[child_id] = _Owned(list(parent.blocks), list(parent.hashes), parent.dropped)
+
+    def copy_on_write(self, request_id: str, position: int) -> list[tuple[int, int]]:
+        """Before the request writes token ``position``: if that block is shared, give the request a fresh
+        block of its own; the (source, destination) block copy to make before the write ([] if none).
+        NoFreeBlocks when no block is free (nothing changes then)."""
+        owned = self.owned[request_id]
+        index = position // self.block_size
+        if index >= len(owned.blocks) or owned.blocks[index] == DROPPED:
+            return []
+        source = self.blocks[owned.blocks[index]]
+        if source.ref_count == 1:
+            return []
+        if not self.free:
+            raise NoFreeBlocks("need 1 block for a copy on write, 0 free")
+        destination = self._take_free()
+        source.ref_count -= 1
+        owned.blocks[index] = destination
+        return [(source.block_id, destination)]
 
     def register_full_blocks(self, request_id: str, tokens: list[int], num_computed: int) -> None:
         """Enter into the prefix cache every block whose ``block_size`` tokens are all computed now."""

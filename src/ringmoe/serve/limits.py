@@ -22,7 +22,10 @@ class ServerLimits:
     template_timeout_s / template_workers: chat-template rendering processes and their time limit;
     tokenizer_threads: threads that tokenize prompts (the tokenizer releases the GIL);
     graceful_s: on SIGTERM in-flight requests get this long, then streams end with an error event;
-    max_log_len: characters of a prompt printed per request (with log_requests)."""
+    max_log_len: characters of a prompt printed per request (with log_requests); max_choices: prompts x n
+    of one request; max_tools: tool definitions; max_logit_bias: logit_bias entries; grammar_timeout_s: the
+    time a structured-output grammar may take to compile (400 past it); log_stats_s: seconds between the
+    throughput lines logged while requests run (0: none)."""
 
     max_body_bytes: int = 8 * 2**20
     max_messages: int = 1024
@@ -38,6 +41,11 @@ class ServerLimits:
     graceful_s: float = 30.0
     log_requests: bool = False
     max_log_len: int = 120
+    max_choices: int = 128
+    max_tools: int = 128
+    max_logit_bias: int = 1024
+    grammar_timeout_s: float = 10.0
+    log_stats_s: float = 10.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -46,6 +54,6 @@ class ServerLimits:
                 if not isinstance(value, bool):
                     raise ValueError(f"--{field.name.replace('_', '-')} must be a bool, got {value!r}")
                 continue
-            positive = value > 0 if field.name != "max_log_len" else value >= 0
+            positive = value > 0 if field.name not in ("max_log_len", "log_stats_s") else value >= 0
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not positive:
                 raise ValueError(f"--{field.name.replace('_', '-')} must be a positive number, got {value!r}")

@@ -71,7 +71,7 @@ class ShardedBlocks:
     def usage(self) -> float:
         return max(r.usage for r in self.ranks)
 
-    def admit(self, request_id: str, tokens: list[int]) -> int:
+    def admit(self, request_id: str, tokens: list[int], use_cache: bool = True) -> int:
         """The whole known sequence will be prefilled by the ring: no cached prefix."""
         for manager in self.ranks:
             manager.admit(request_id, [])

@@ -1,24 +1,24 @@
-"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions.
+"""OpenAI's request shapes for /v1/completions and /v1/chat/completions (``responses`` builds the answers).
 
-Requests are pydantic models (unknown fields are ignored, as OpenAI-compatible servers do; wrong
-types are 400 errors naming the field).  ``sampling_params`` maps a request onto ``SamplingParams``
-(OpenAI's fields plus the vLLM extras top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids).  The builders below produce the response and streaming-chunk dicts.
+Requests are pydantic models: a field this server does not know is refused with a 400 naming it (never
+silently ignored); wrong types are 400 errors naming the field.  ``sampling_params`` maps a request onto
+``SamplingParams`` (OpenAI's fields plus vLLM's extras top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, prompt_logprobs); ``grammar_spec`` the constraints on its output
+(response_format, vLLM's structured_outputs, a forced tool call) onto a ``GrammarSpec``.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .request import RequestOutput
 from .sampling import SamplingParams
+from .structured import GrammarSpec
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "sampling_params", "chat_messages", "error_body",
-           "RequestError", "ROLES"]
+           "RequestError", "ROLES", "grammar_spec", "TokenizeRequest", "DetokenizeRequest"]
 
 
 class RequestError(ValueError):
@@ -36,24 +36,61 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: accepted, usage comes once at the end
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extra: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields of both endpoints.  Unknown fields are refused (400 naming them), never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None  # an end-user id for the operator's logs: no effect on the output
     # vLLM's extras
     top_k: int = 0
     min_p: float = 0.0
@@ -61,12 +98,23 @@ class _Common(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one string or token-id list each (a list of prompts is a batch)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -81,26 +129,85 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """A chat message: one of the template's roles, text content (a string or text parts), an optional name."""
+    """A chat message: one of the template's roles, text content (a string or text parts), an optional name;
+    an assistant's tool_calls, a tool result's tool_call_id."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: Literal[ROLES]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required", or the forced function's name (no tools: "none")."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
 
 def chat_messages(request: "ChatCompletionRequest") -> list[dict]:
-    """The messages as the template sees them: {"role", "content": str[, "name"]}.  Text parts are joined
-    with newlines (as vLLM does); image, audio and file parts are refused: this server reads text."""
+    """The messages as the template sees them: {"role", "content": str[, "name", "tool_calls", "tool_call_id"]}.
+    Text parts are joined with newlines (as vLLM does); image, audio and file parts are refused: this server
+    reads text.  A tool call's arguments reach the template parsed (templates write them with ``tojson``)."""
     messages = []
     for i, message in enumerate(request.messages):
         content = message.content
@@ -115,103 +222,133 @@ def chat_messages(request: "ChatCompletionRequest") -> list[dict]:
                                        f"messages.{i}.content.{j}.text")
                 texts.append(part.text)
             content = "\n".join(texts)
-        entry = {"role": message.role, "content": content}
+        if content is None and not message.tool_calls:
+            raise RequestError(f"messages[{i}] needs content", f"messages.{i}.content")
+        if message.tool_calls and message.role != "assistant":
+            raise RequestError(f"messages[{i}]: only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+        entry = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_call(call, i) for call in message.tool_calls]
         messages.append(entry)
     return messages
 
 
-def sampling_params(request: _Common, default_max_tokens: int) -> SamplingParams:
+def _template_call(call: MessageToolCall, index: int) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise RequestError(f"messages[{index}].tool_calls: arguments must be JSON text",
+                           f"messages.{index}.tool_calls") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def grammar_spec(request: _Common, tool_format=None) -> GrammarSpec | None:
+    """The grammar a request's output must follow (response_format, structured_outputs, or a forced tool call);
+    None when it is free.  RequestError naming the field when they conflict or make no sense."""
+    specs = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        specs.append(("response_format", GrammarSpec("json_object")))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError("response_format json_schema needs json_schema.schema", "response_format.json_schema")
+        specs.append(("response_format", GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_))))
+    so = request.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                      ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise RequestError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                               "structured_outputs")
+        kind, value = given[0]
+        source = {"json": lambda v: v if isinstance(v, str) else json.dumps(v), "regex": str, "grammar": str,
+                  "choice": json.dumps, "json_object": lambda v: ""}[kind](value)
+        kind = {"json": "json_schema"}.get(kind, kind)
+        specs.append(("structured_outputs", GrammarSpec(kind, source)))
+    if isinstance(request, ChatCompletionRequest) and request.tool_choice_name() not in ("none", "auto"):
+        if tool_format is None:
+            raise RequestError("this server has no tool-call parser for the model (--tool-call-parser)", "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in request.tools]
+        choice = request.tool_choice_name()
+        if choice != "required" and choice not in {t["function"]["name"] for t in tools}:
+            raise RequestError(f"tool_choice names {choice!r}, which is not in tools", "tool_choice")
+        specs.append(("tool_choice", GrammarSpec("structural_tag",
+                                                 tool_format.structural_tag(tools, choice, request.parallel_tool_calls))))
+    if len(specs) > 1:
+        raise RequestError(f"{specs[0][0]} and {specs[1][0]} both constrain the output: give one", specs[1][0])
+    return specs[0][1] if specs else None
+
+
+def sampling_params(request: _Common, default_max_tokens: int, grammar=None) -> SamplingParams:
     """The engine's parameters for a request; RequestError naming the field when they do not make sense."""
-    if request.n != 1:
-        raise RequestError(f"n={request.n} is not supported: this server returns one choice per request", "n")
     if isinstance(request, ChatCompletionRequest):
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         if request.top_logprobs and not request.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        if max_tokens == 0:
+            raise RequestError("max_tokens must be >= 1 for chat completions", "max_tokens")
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
-        if request.echo:
-            raise RequestError("echo=true is not supported", "echo")
+        if request.suffix is not None:
+            raise RequestError("suffix is not supported: this model's template has no fill-in-the-middle", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise RequestError("best_of must equal n (this server returns every sample it draws)", "best_of")
+        if max_tokens == 0 and not request.echo and request.prompt_logprobs is None:
+            raise RequestError("max_tokens 0 returns nothing without echo or prompt_logprobs", "max_tokens")
+    if request.prompt_logprobs is not None and request.stream:
+        raise RequestError("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
+    prompt_logprobs = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # echo + logprobs: the prompt's too (OpenAI)
+    bias = []
+    for key, value in (request.logit_bias or {}).items():
+        try:
+            bias.append((int(key), value))
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     try:
         return SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-            seed=request.seed, presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            temperature=_or(request.temperature, 1.0), top_p=_or(request.top_p, 1.0), top_k=request.top_k,
+            min_p=request.min_p, seed=request.seed, presence_penalty=_or(request.presence_penalty, 0.0),
+            frequency_penalty=_or(request.frequency_penalty, 0.0), repetition_penalty=request.repetition_penalty,
             stop=tuple([request.stop] if isinstance(request.stop, str) else request.stop or ()),
-            stop_token_ids=tuple(request.stop_token_ids or ()), max_tokens=max_tokens or default_max_tokens,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, n=request.n, logit_bias=tuple(bias), grammar=grammar,
         )
     except ValueError as error:  # SamplingParams names the field first
         raise RequestError(str(error), str(error).split()[0]) from None
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _or(value, default):
+    return default if value is None else value
 
 
-class ResponseBuilder:
-    """Response bodies and stream chunks of one request."""
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (add_special_tokens as for completions) or chat messages (the template's text)."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, decode):
-        self.chat, self.model, self.prompt_tokens, self.decode = chat, model, prompt_tokens, decode
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
+    model_config = ConfigDict(extra="forbid")
 
-    def _head(self, chunk: bool) -> dict:
-        kind = self.object + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
 
-    def _logprobs(self, choices) -> dict | None:
-        if not choices:
-            return None
-        if self.chat:
-            content = []
-            for c in choices:
-                token = self.decode([c.token])
-                content.append({"token": token, "logprob": c.logprob, "bytes": list(token.encode()),
-                                "top_logprobs": [{"token": self.decode([t]), "logprob": lp,
-                                                  "bytes": list(self.decode([t]).encode())} for t, lp in c.top]})
-            return {"content": content}
-        return {"tokens": [self.decode([c.token]) for c in choices], "token_logprobs": [c.logprob for c in choices],
-                "top_logprobs": [self._top(c.top) for c in choices]}
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
-    def _top(self, top: list[tuple[int, float]]) -> dict:
-        """{token text: logprob}; a token whose text another one already has (partial UTF-8 bytes decode
-        alike) is keyed by its id as "<id>" so no alternative is lost."""
-        out = {}
-        for token, logprob in top:
-            text = self.decode([token])
-            out[text if text not in out else f"<{token}>"] = logprob
-        return out
 
-    def final(self, text: str, finish_reason: str, completion_tokens: int, logprobs: list) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": self._logprobs(logprobs)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._head(False), "choices": [choice], "usage": _usage(self.prompt_tokens, completion_tokens)}
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant role."""
-        if not self.chat:
-            return None
-        return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]}
-
-    def chunk(self, out: RequestOutput) -> dict:
-        logprobs = self._logprobs(out.logprobs)
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": out.text_delta} if out.text_delta or not out.finished else {},
-                      "logprobs": logprobs, "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "text": out.text_delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
-        return {**self._head(True), "choices": [choice]}
-
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self._head(True), "choices": [], "usage": _usage(self.prompt_tokens, completion_tokens)}
+    model: str | None = None
+    tokens: list[int]

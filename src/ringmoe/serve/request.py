@@ -40,6 +40,9 @@ class RequestOutput:
     timings: dict = field(default_factory=dict)
     logits: torch.Tensor | None = None  # (vocab,) float32 the token came from (Engine(return_logits=True))
     error: str | None = None  # finish_reason "error": what went wrong (this request alone)
+    group_id: str = ""  # the id the caller gave: parallel samples (n > 1) of one prompt share it
+    index: int = 0  # which of the n samples
+    prompt_logprobs: list[TokenChoice | None] | None = None  # on a request's first output, when asked for
 
 
 @dataclass
@@ -62,6 +65,19 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    group_id: str = ""  # the caller's id; sample ``index`` of n has request_id f"{group_id}#{index}" (0: the id)
+    index: int = 0
+    prompt_logprobs: list[TokenChoice | None] = field(default_factory=list)  # [None, then one per prompt token]
+    matcher: object | None = None  # the grammar's state (structured outputs)
+    reported_prompt: bool = False  # the prompt logprobs went out with a first output
+
+    def __post_init__(self):
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still missing (then no prefix-cache hit is taken)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

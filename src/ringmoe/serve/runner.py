@@ -11,7 +11,10 @@ Attention per item kind (``paged`` prompt chunks and decodes at cp = 1; ``ring``
 the ``AttentionBackend`` the runner hands the model.
 
 ``step`` returns the final hidden state (hidden,) of the last token of every item marked ``report``
-that this rank holds (the driver turns them into logits and samples).
+that this rank holds (the driver turns them into logits and samples), and under the key
+``("all", request_id)`` the hidden states (n, hidden) of every token of an item marked ``report_all``
+(a prompt chunk whose prompt logprobs were asked for).  An item's ``copies`` (block copies of a
+copy on write) are made before any token of the step is written.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class WorkItem:
     ring_len: int = 0
     report: bool = True
     generated: bool = False
+    report_all: bool = False
+    copies: list[tuple[int, int]] | None = None
 
 
 class ModelRunner:
@@ -100,9 +105,20 @@ class ModelRunner:
         v = self.v_cache[index].index_select(0, blocks).flatten(0, 1)[:count]
         return k, v
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in every layer's K and V (a copy on write)."""
+        source = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        destination = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in {id(c): c for c in self.k_cache + self.v_cache}.values():  # MLA: K and V are one buffer
+            cache.index_copy_(0, destination, cache.index_select(0, source))
+
     @torch.no_grad()
-    def step(self, items: list[WorkItem]) -> dict[str, torch.Tensor]:
-        """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here."""
+    def step(self, items: list[WorkItem]) -> dict:
+        """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here
+        (and {("all", request_id): hidden (n, hidden_size)} for items marked report_all)."""
+        copies = [c for item in items for c in item.copies or ()]
+        if copies:
+            self.copy_blocks(copies)
         cp, cp_rank = self.mesh.cp, self.mesh.cp_rank
         ids, positions, spans = [], [], []  # spans: (item, offset, local length)
         for item in items:
@@ -125,6 +141,8 @@ class ModelRunner:
                                           torch.tensor(positions, dtype=torch.long, device=device), attention)[0]
         reports = {}
         for item, offset, n in spans:
+            if item.report_all and item.kind == "paged":
+                reports[("all", item.request_id)] = hidden[offset:offset + n]
             if not item.report:
                 continue
             if item.kind == "ring":

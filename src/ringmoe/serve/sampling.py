@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "next_token", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits"]
+__all__ = ["SamplingParams", "next_token", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits", "prompt_choices"]
 
 MAX_LOGPROBS = 20
 # below this temperature sampling is greedy (vLLM's rule): dividing logits by 1e-300 overflows to inf
@@ -23,6 +23,7 @@ MAX_TEMPERATURE = 100.0
 # repetition_penalty divides (or multiplies) logits: bounded away from 0 and infinity
 PENALTY_RANGE = (1e-2, 1e2)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes as a signed 64-bit value
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on each logit_bias value
 
 
 class NonFiniteLogits(ValueError):
@@ -54,8 +55,13 @@ class SamplingParams:
     (> 0, 1 = off; logits > 0 divided by it, < 0 multiplied) to prompt and generated tokens.
     stop: strings that end the text (not included in it); stop_token_ids: ids that end it (also not
     included).  max_tokens: new tokens at most; min_tokens: end-of-sequence and stop ids are banned
-    before that.  ignore_eos: keep going past the end-of-sequence token.  logprobs: how many top
-    alternatives to return per token (None = none; 0 = the chosen token's only).
+    before that; max_tokens 0 computes the prompt only (for its prompt logprobs) and ends with "length".
+    ignore_eos: keep going past the end-of-sequence token.  logprobs: how many top alternatives to
+    return per token (None = none; 0 = the chosen token's only); prompt_logprobs: the same for every
+    prompt token (the first has none: nothing precedes it).
+    n: parallel samples of the prompt (they share its KV blocks; sample i draws from seed + i).
+    logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling.
+    grammar: a compiled grammar (``structured.GrammarBackend.compile``) the output must follow.
     """
 
     temperature: float = 1.0
@@ -72,6 +78,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: object | None = None
 
     def __post_init__(self):
         _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -92,16 +102,25 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for token in self.stop_token_ids:
             _int("stop_token_ids", token, 0)
-        _int("max_tokens", self.max_tokens, 1)
+        _int("max_tokens", self.max_tokens, 0)
         _int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int(name, value, 0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        _int("n", self.n, 1)
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple((token, bias) for token, bias in self.logit_bias))
+        for token, bias in self.logit_bias:
+            _int("logit_bias", token, 0)
+            _number("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
 
     @property
     def greedy(self) -> bool:
@@ -111,11 +130,13 @@ class SamplingParams:
 
 @dataclass
 class TokenChoice:
-    """The token picked, its log-probability, and the top alternatives (id, logprob), best first."""
+    """The token picked, its log-probability, and the top alternatives (id, logprob), best first; for a
+    prompt token its rank in the model's distribution (1 = the most likely)."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 def penalized(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -152,9 +173,12 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-               generator: torch.Generator | None, banned: list[int] = ()) -> TokenChoice:
+               generator: torch.Generator | None, banned: list[int] = (),
+               mask: torch.Tensor | None = None) -> TokenChoice:
     """Pick the next token from one row of logits (V,) (any float dtype; computed in float32).
 
+    mask: (V,) float32 added to the logits after the penalties and logit_bias: 0 where a token is allowed,
+    -inf where a grammar forbids it.  The returned logprobs are the model's own (before any of that).
     Raises NonFiniteLogits when a logit is NaN or +inf (a broken model or input): the caller ends this
     request alone.  -inf is a legal logit (a banned token)."""
     logits = logits.float()
@@ -162,8 +186,15 @@ def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
         raise NonFiniteLogits("the model produced NaN or inf logits for this request")
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     adjusted = penalized(logits, params, prompt, output)
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        adjusted.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.tensor(biases, dtype=adjusted.dtype))
     if banned:
         adjusted[torch.tensor(list(banned), dtype=torch.long)] = float("-inf")
+    if mask is not None:
+        adjusted += mask
+        if bool(torch.isneginf(adjusted).all()):
+            raise ValueError("no token is allowed here (the grammar and the banned tokens exclude them all)")
     if params.greedy:
         token = int(torch.argmax(adjusted))
     else:
@@ -173,3 +204,18 @@ def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
         values, ids = torch.topk(raw_logprobs, min(params.logprobs, raw_logprobs.shape[0]))
         choice.top = list(zip(ids.tolist(), values.tolist()))
     return choice
+
+
+def prompt_choices(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenChoice]:
+    """Prompt logprobs: row i of ``logits`` (n, V) predicts ``targets[i]``; its logprob and the ``top``
+    best alternatives (the model's raw distribution, float32)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[1]), dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [[] for _ in targets]
+    return [TokenChoice(t, lp, alt, rank) for t, lp, alt, rank in zip(targets, chosen, alternatives, ranks)]

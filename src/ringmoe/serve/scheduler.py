@@ -7,6 +7,9 @@ budget leaves (chunked prefill), so decodes keep flowing while a long prompt is 
 With ``chunked_prefill=False`` (ring prefill under context parallelism) a prompt runs whole:
 it waits for a step with room, or runs alone over the budget.
 
+A request that writes into a block it shares with a parallel sample of its prompt first gets a
+copy of its own (``BlockManager.copy_on_write``); the step's ``copies`` list those block copies.
+
 When the cache has no block for a running request, the newest running request is preempted:
 its blocks are released and it goes back to the front of the queue with ``num_computed = 0``,
 to be recomputed (prompt and generated tokens) when there is room.  No request is lost.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kv_cache import BlockManager, NoFreeBlocks
 from .request import Request, Status
@@ -26,10 +29,12 @@ __all__ = ["Scheduler", "ScheduledBatch"]
 
 @dataclass
 class ScheduledBatch:
-    """(request, number of new tokens to compute) in the order they are packed; preempted request ids."""
+    """(request, number of new tokens to compute) in the order they are packed; preempted request ids;
+    copies: request id -> (source, destination) block copies to make before its tokens are written."""
 
     items: list[tuple[Request, int]]
     preempted: list[str]
+    copies: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,9 @@ class Scheduler:
         if prompt_len < 1:
             raise ValueError("prompt must hold at least one token")
         total = prompt_len + max_tokens
+        if prompt_len > self.max_model_len:
+            raise ValueError(f"the prompt ({prompt_len} tokens) exceeds the context limit of {self.max_model_len} "
+                             f"tokens")
         if total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                              f"context limit of {self.max_model_len} tokens")
@@ -65,6 +73,19 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.check_admissible(len(request.prompt_ids), request.params.max_tokens)
         self.waiting.append(request)
+
+    def add_fork(self, child: Request, parent: Request) -> None:
+        """A parallel sample of ``parent``'s prompt, computed as far as the parent: it shares the parent's
+        blocks and runs from the next step (cp > 1, where blocks cannot be shared: it queues first and
+        recomputes the prompt)."""
+        if hasattr(self.blocks, "fork"):
+            self.blocks.fork(parent.request_id, child.request_id)
+            child.num_computed = parent.num_computed
+            child.status = Status.RUNNING
+            child.first_scheduled = parent.first_scheduled
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished or aborted) and free its blocks."""
@@ -82,16 +103,22 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         items: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        copies: dict[str, list[tuple[int, int]]] = {}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.remaining, budget)
             try:
+                if hasattr(self.blocks, "copy_on_write"):
+                    copy = self.blocks.copy_on_write(request.request_id, request.num_computed)
+                    if copy:
+                        copies[request.request_id] = copy
                 self.blocks.grow(request.request_id, request.num_computed + count)
             except NoFreeBlocks:
                 victim = self.running[-1]  # the newest
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                copies.pop(victim.request_id, None)
                 continue  # retry this request (unless it was the victim: then the loop ends)
             items.append((request, count))
             budget -= count
@@ -100,7 +127,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 if request.request_id not in self.blocks.owned:
-                    request.num_computed = self.blocks.admit(request.request_id, request.all_ids)
+                    request.num_computed = self.blocks.admit(request.request_id, request.all_ids,
+                                                             use_cache=not request.needs_prompt_logprobs)
                     if request.preemptions == 0 and not request.output_ids:
                         request.num_cached_prompt = request.num_computed
                 count = min(request.remaining, budget)
@@ -123,7 +151,7 @@ class Scheduler:
                 self.running.append(request)
                 items.append((request, count))
                 budget -= count
-        return ScheduledBatch(items, preempted)
+        return ScheduledBatch(items, preempted, copies)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -19,22 +19,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, EngineFailed, QueueFull
 from .http_guard import ApiKeyMiddleware, guarded_protocol, read_json
 from .limits import ServerLimits
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, RequestError, ResponseBuilder, chat_messages,
-                       error_body, sampling_params)
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
+                       chat_messages, error_body, grammar_spec, sampling_params)
 from .request import RequestOutput
+from .responses import Prompt, ResponseBuilder
+from .sampling import SamplingParams
+from .stats_log import ThroughputLog
+from .structured import GrammarBackend
 from .templates import TemplateFailed, TemplateTimeout, TemplateWorkers
+from .tool_calls import FORMATS, ToolCallFormat
 
 __all__ = ["build_app", "serve_app"]
 
@@ -53,17 +63,32 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
 
 
+@dataclass
+class _Prepared:
+    """A validated request: its prompts (ids and echo text), sampling parameters and tool-call syntax."""
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    tools: ToolCallFormat | None
+
+
 class _Frontend:
     """One app's request path: validation, prompt ids, submission, and the response (whole or streamed)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMetrics,
-                 default_max_tokens: int, limits: ServerLimits):
+                 default_max_tokens: int, limits: ServerLimits, tool_parser: str | None = None,
+                 any_whitespace: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.default_max_tokens, self.limits = metrics, default_max_tokens, limits
         self.scheduler = engine.engine.groups[0]
+        self.vocab = engine.engine.model.config.vocab_size
         self.templates: TemplateWorkers | None = None
         self.pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="ringmoe-tokenize")
         self.closing = asyncio.Event()  # set when the grace period after SIGTERM is over
+        self.tool_format = FORMATS[tool_parser] if tool_parser else None
+        self.any_whitespace = any_whitespace
+        self.grammars: GrammarBackend | None = None
+        self.stats = ThroughputLog(limits.log_stats_s)
 
     async def start(self) -> None:
         if self.tokenizer is not None:
@@ -73,11 +98,18 @@ class _Frontend:
                     self.limits.template_workers, self.limits.template_timeout_s,
                     line_limit=8 * self.limits.max_body_bytes + 2**20).start()
             await asyncio.get_running_loop().run_in_executor(self.pool, self.tokenizer.min_tokens, "")
+        self.stats.start(self.engine)
 
     async def stop(self) -> None:
+        self.stats.stop()
         if self.templates is not None:
             await self.templates.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f"<{i}>" for i in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # -- the prompt -------------------------------------------------------------------------------
     @property
@@ -85,6 +117,8 @@ class _Frontend:
         return min(self.scheduler.max_model_len, self.scheduler.capacity)
 
     async def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: send the prompt as token ids", field)
         floor = self.tokenizer.min_tokens(text)  # a text that cannot fit is refused before tokenizer time is spent
         if floor > self.context:
             raise RequestError(f"{field} has {len(text)} characters, at least {floor} tokens: more than this "
@@ -95,6 +129,12 @@ class _Frontend:
         except ValueError as error:
             raise RequestError(f"{field}: {error}: this server's context is {self.context} tokens", field) from None
 
+    def _tools(self, body) -> list[dict] | None:
+        """The tool definitions the template sees (None when the request has none or tool_choice is "none")."""
+        if not isinstance(body, ChatCompletionRequest) or body.tool_choice_name() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in body.tools]
+
     async def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if self.templates is None:
             raise RequestError("this model has no chat template: use /v1/completions", "messages")
@@ -102,161 +142,247 @@ class _Frontend:
             raise RequestError(f"messages holds {len(body.messages)} messages; this server takes at most "
                                f"{self.limits.max_messages} (--max-messages)", "messages")
         try:
-            text = await self.templates.render(chat_messages(body))
-        except TemplateTimeout as error:
-            raise RequestError(f"messages: {error}", "messages") from None
-        except TemplateFailed as error:
+            text = await self.templates.render(chat_messages(body), tools=self._tools(body))
+        except (TemplateTimeout, TemplateFailed) as error:
             raise RequestError(f"messages: {error}", "messages") from None
         return await self._encode(text, False, "messages")
 
-    async def _prompt_ids(self, body, chat: bool) -> list[int]:
+    async def _prompts(self, body, chat: bool) -> list[Prompt]:
         if chat:
-            return await self._chat_ids(body)
-        if isinstance(body.prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: send the prompt as token ids", "prompt")
-            return await self._encode(body.prompt, True, "prompt")
-        vocab = self.engine.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in body.prompt):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
-        return list(body.prompt)
+            return [Prompt(await self._chat_ids(body), "")]
+        prompts = []
+        for index, prompt in enumerate(body.prompts()):
+            field = "prompt" if len(body.prompts()) == 1 else f"prompt.{index}"
+            if isinstance(prompt, str):
+                ids = await self._encode(prompt, True, field)
+                text = prompt
+            else:
+                if any(not 0 <= t < self.vocab for t in prompt):
+                    raise RequestError(f"{field}: token ids must lie in [0, {self.vocab})", field)
+                ids, text = list(prompt), self.decode(prompt) if body.echo else ""
+            if not ids:
+                raise RequestError(f"{field} must hold at least one token", field)
+            prompts.append(Prompt(ids, text))
+        return prompts
 
-    def _check_fields(self, body) -> None:
+    def _check_fields(self, body, chat: bool) -> None:
         if body.model != self.model_name:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                                "model", 404, "invalid_request_error", "model_not_found")
+        limits = self.limits
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        if len(stops) > self.limits.max_stop_strings or any(len(s) > self.limits.max_stop_chars for s in stops):
-            raise RequestError(f"stop takes at most {self.limits.max_stop_strings} strings of at most "
-                               f"{self.limits.max_stop_chars} characters", "stop")
-        vocab = self.engine.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
-            raise RequestError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
+        if len(stops) > limits.max_stop_strings or any(len(s) > limits.max_stop_chars for s in stops):
+            raise RequestError(f"stop takes at most {limits.max_stop_strings} strings of at most "
+                               f"{limits.max_stop_chars} characters", "stop")
+        if any(not 0 <= t < self.vocab for t in body.stop_token_ids or ()):
+            raise RequestError(f"stop_token_ids must lie in [0, {self.vocab})", "stop_token_ids")
+        bias = body.logit_bias or {}
+        if len(bias) > limits.max_logit_bias:
+            raise RequestError(f"logit_bias takes at most {limits.max_logit_bias} entries", "logit_bias")
+        if any(not k.isdigit() or int(k) >= self.vocab for k in bias):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab})", "logit_bias")
+        prompts = 1 if chat or isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
+            else len(body.prompt)
+        if prompts == 0:
+            raise RequestError("prompt must hold at least one prompt", "prompt")
+        if prompts * body.n > limits.max_choices:
+            raise RequestError(f"{prompts} prompts x n={body.n} is more than {limits.max_choices} choices "
+                               f"(--max-choices)", "n")
+        if chat and body.tools and len(body.tools) > limits.max_tools:
+            raise RequestError(f"tools holds more than {limits.max_tools} definitions (--max-tools)", "tools")
         sampling_params(body, self.default_max_tokens)  # the fields' errors first, before tokenizing
 
-    async def prepare(self, body, chat: bool):
-        self._check_fields(body)
-        ids = await self._prompt_ids(body, chat)
-        if not ids:
-            raise RequestError("prompt must hold at least one token", "prompt")
-        # no max_tokens: as much as the context leaves, up to the server's default (vLLM's rule)
-        params = sampling_params(body, max(1, min(self.default_max_tokens, self.context - len(ids))))
+    async def _grammar(self, body):
+        spec = grammar_spec(body, self.tool_format)
+        if spec is None:
+            return None
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer", "response_format")
+            try:
+                self.grammars = GrammarBackend(self.tokenizer, self.vocab, self.engine.engine.eos_ids,
+                                               any_whitespace=self.any_whitespace)
+            except ImportError:
+                raise RequestError("structured outputs need xgrammar (pip install xgrammar)", "response_format",
+                                   400) from None
+        loop = asyncio.get_running_loop()
         try:
-            self.scheduler.check_admissible(len(ids), params.max_tokens)
+            return await asyncio.wait_for(loop.run_in_executor(self.pool, self.grammars.compile, spec),
+                                          self.limits.grammar_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the {spec.kind} grammar did not compile within {self.limits.grammar_timeout_s:g} s",
+                               _grammar_field(body)) from None
         except ValueError as error:
-            raise RequestError(str(error), "prompt") from None
-        return ids, params
+            raise RequestError(str(error), _grammar_field(body)) from None
+
+    async def prepare(self, body, chat: bool) -> _Prepared:
+        self._check_fields(body, chat)
+        prompts = await self._prompts(body, chat)
+        grammar = await self._grammar(body)
+        longest = max(len(p.ids) for p in prompts)
+        # no max_tokens: as much as the context leaves, up to the server's default (vLLM's rule)
+        params = sampling_params(body, max(1, min(self.default_max_tokens, self.context - longest)), grammar)
+        for index, prompt in enumerate(prompts):
+            try:
+                self.scheduler.check_admissible(len(prompt.ids), params.max_tokens)
+            except ValueError as error:
+                raise RequestError(str(error), "prompt" if len(prompts) == 1 else f"prompt.{index}") from None
+        tools = self.tool_format if chat and self._tools(body) is not None else None
+        return _Prepared(prompts, params, tools)
 
     # -- the response -----------------------------------------------------------------------------
     async def run(self, request: Request, model, chat: bool):
         body = await read_json(request, model, self.limits)
-        ids, params = await self.prepare(body, chat)
+        prepared = await self.prepare(body, chat)
+        outputs: asyncio.Queue = asyncio.Queue()
+        request_ids = []
         try:
-            request_id, outputs = self.engine.submit(ids, params)
-        except QueueFull as error:
-            return _error(429, str(error), kind="rate_limit_error")
-        except EngineFailed as error:
+            for prompt in prepared.prompts:
+                request_ids.append(self.engine.submit(prompt.ids, prepared.params, outputs)[0])
+        except (QueueFull, EngineFailed) as error:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            if isinstance(error, QueueFull):
+                return _error(429, str(error), kind="rate_limit_error")
             return _error(503, str(error), kind="server_error")
-        self.metrics.on_admit(len(ids))
-        if self.limits.log_requests:
-            shown = body.prompt if not chat else chat_messages(body)
-            log.info("request %s: %d prompt tokens, %s, prompt %s", request_id, len(ids), params,
-                     repr(shown)[:self.limits.max_log_len])
-        if self.tokenizer is not None:
-            decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=False)  # noqa: E731
-        else:
-            decode = lambda t: "".join(f"<{i}>" for i in t)  # noqa: E731
-        builder = ResponseBuilder(chat, self.model_name, len(ids), decode)
+        for prompt, request_id in zip(prepared.prompts, request_ids):
+            self.metrics.on_admit(len(prompt.ids))
+            if self.limits.log_requests:
+                log.info("request %s: %d prompt tokens, %s, prompt %s", request_id, len(prompt.ids),
+                         prepared.params, repr(self.decode(prompt.ids))[:self.limits.max_log_len])
+        echo = not chat and body.echo
+        builder = ResponseBuilder(chat, self.model_name, self.decode, prepared.prompts, body.n, echo,
+                                  prepared.params.logprobs, body.prompt_logprobs is not None, prepared.tools)
+        stream = _Outputs(self, request_ids, outputs, prepared.prompts, body.n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(request_id, outputs, builder, include_usage),
-                                     media_type="text/event-stream")
-        return await self.complete(request_id, outputs, builder, request)
+            return StreamingResponse(self.stream(stream, builder, include_usage), media_type="text/event-stream")
+        return await self.complete(stream, builder, request)
 
-    async def _next(self, request_id: str, outputs: asyncio.Queue, watchers: list, timing: dict):
-        """The next RequestOutput, or _GONE / _CLOSING (the request is then aborted)."""
-        getter = asyncio.ensure_future(outputs.get())
-        done, _ = await asyncio.wait([getter, *watchers], return_when=asyncio.FIRST_COMPLETED)
-        if getter not in done:
-            getter.cancel()
-            self.engine.abort(request_id)
-            return _CLOSING if self.closing.is_set() else _GONE
-        item = getter.result()
-        if isinstance(item, Exception):
-            raise item
-        now = time.monotonic()
-        if timing["last"] is not None:
-            timing["gaps"].append(now - timing["last"])
-        timing["last"] = now
-        if item.finished:
-            self.metrics.on_finish(item, timing["gaps"])
-        return item
-
-    async def complete(self, request_id, outputs, builder: ResponseBuilder, request: Request):
+    async def complete(self, stream: "_Outputs", builder: ResponseBuilder, request: Request):
         async def client_gone():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
         watchers = [asyncio.ensure_future(client_gone()), asyncio.ensure_future(self.closing.wait())]
-        timing, logprobs = {"gaps": [], "last": None}, []
+        finals: dict[int, RequestOutput] = {}
         try:
-            while True:
-                out = await self._next(request_id, outputs, watchers, timing)
-                if out is _GONE:
+            while len(finals) < stream.choices:
+                item = await stream.next(watchers)
+                if item is _GONE:
                     return Response(status_code=499)
-                if out is _CLOSING:
+                if item is _CLOSING:
                     return _error(503, _SHUTDOWN_MESSAGE, kind="server_error")
-                logprobs += out.logprobs
+                prompt, out = item
+                index = builder.add(prompt, out)
                 if out.finished:
-                    return builder.final(out.text, out.finish_reason, len(out.output_ids), logprobs)
+                    finals[index] = out
+            return builder.final(finals)
         except (ValueError, TypeError) as error:
             return _error(400, str(error), "prompt")
         except EngineFailed as error:
             return _error(503, str(error).splitlines()[0], kind="server_error")
         except asyncio.CancelledError:
-            self.engine.abort(request_id)
+            stream.abort()
             raise
         finally:
             for watcher in watchers:
                 watcher.cancel()
 
-    async def stream(self, request_id, outputs, builder: ResponseBuilder, include_usage: bool):
-        timing, finished = {"gaps": [], "last": None}, False
+    async def stream(self, stream: "_Outputs", builder: ResponseBuilder, include_usage: bool):
         closing = asyncio.ensure_future(self.closing.wait())
+        finished = 0
         try:
-            first = builder.first_chunk()
-            if first is not None:
-                yield _sse(first)
-            while True:
-                out: RequestOutput | str = await self._next(request_id, outputs, [closing], timing)
-                if out is _CLOSING:
-                    finished = True
+            for chunk in builder.first_chunks():
+                yield _sse(chunk)
+            while finished < stream.choices:
+                item = await stream.next([closing])
+                if item is _CLOSING:
                     yield _sse(error_body(_SHUTDOWN_MESSAGE, "server_error", None, "503"))
-                    yield _sse("[DONE]")
-                    return
-                yield _sse(builder.chunk(out))
-                if out.finished:
-                    finished = True
-                    if include_usage:
-                        yield _sse(builder.usage_chunk(len(out.output_ids)))
-                    yield _sse("[DONE]")
-                    return
+                    break
+                prompt, out = item
+                for chunk in builder.chunks(prompt, out):
+                    yield _sse(chunk)
+                finished += out.finished
+            else:
+                if include_usage:
+                    yield _sse(builder.usage_chunk())
+            yield _sse("[DONE]")
         except (ValueError, TypeError, EngineFailed) as error:
-            finished = True
             kind = "server_error" if isinstance(error, EngineFailed) else "invalid_request_error"
             yield _sse(error_body(str(error).splitlines()[0], kind))
             yield _sse("[DONE]")
         finally:
             closing.cancel()
-            if not finished:  # the client went away mid-stream: free the request's KV now
-                self.engine.abort(request_id)
+            if not stream.done:  # the client went away mid-stream: free the requests' KV now
+                stream.abort()
+
+
+class _Outputs:
+    """The outputs of one HTTP request's engine requests (one per prompt), as (prompt index, RequestOutput)."""
+
+    def __init__(self, front: _Frontend, request_ids: list[str], queue: asyncio.Queue, prompts: list[Prompt],
+                 n: int):
+        self.front, self.request_ids, self.queue, self.choices = front, request_ids, queue, len(prompts) * n
+        self.prompt_tokens = {rid: len(p.ids) for rid, p in zip(request_ids, prompts)}
+        self.prompt_of = {rid: i for i, rid in enumerate(request_ids)}
+        self.timing = {rid: {"gaps": [], "last": None} for rid in request_ids}
+        self.finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished >= self.choices
+
+    def abort(self) -> None:
+        for request_id in self.request_ids:
+            self.front.engine.abort(request_id)
+
+    async def next(self, watchers: list):
+        """The next (prompt index, RequestOutput), or _GONE / _CLOSING (the requests are then aborted)."""
+        getter = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait([getter, *watchers], return_when=asyncio.FIRST_COMPLETED)
+        if getter not in done:
+            getter.cancel()
+            self.abort()
+            return _CLOSING if self.front.closing.is_set() else _GONE
+        item = getter.result()
+        if isinstance(item, Exception):
+            self.abort()
+            raise item
+        timing, now = self.timing[item.group_id], time.monotonic()
+        if timing["last"] is not None:
+            timing["gaps"].append(now - timing["last"])
+        timing["last"] = now
+        if item.finished:
+            self.finished += 1
+            self.front.metrics.on_finish(item, timing["gaps"])
+            if self.front.limits.log_requests:
+                t = item.timings
+                log.info("request %s#%d finished: %s, %d prompt + %d output tokens, ttft %.3f s, e2e %.3f s",
+                         item.group_id, item.index, item.finish_reason, self.prompt_tokens[item.group_id],
+                         len(item.output_ids), t.get("ttft_s", 0.0), t.get("e2e_s", 0.0))
+        return self.prompt_of[item.group_id], item
+
+
+def _grammar_field(body) -> str:
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    if body.response_format is not None:
+        return "response_format"
+    return "tool_choice"
 
 
 def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMetrics,
               default_max_tokens: int = 256, limits: ServerLimits | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, tool_parser: str | None = None, any_whitespace: bool = False,
+              allowed_origins: tuple[str, ...] = (), throughput: ThroughputLog | None = None) -> FastAPI:
+    """The app.  tool_parser: the tool-call syntax of the model ("hermes", "deepseek_v3"; None: tools are
+    refused).  any_whitespace: JSON grammars may put whitespace between tokens.  allowed_origins: CORS
+    origins ("*" for any; none by default).  throughput: the periodic log line (fed by the engine's on_step)."""
     limits = limits or ServerLimits()
-    front = _Frontend(engine, tokenizer, model_name, metrics, default_max_tokens, limits)
+    front = _Frontend(engine, tokenizer, model_name, metrics, default_max_tokens, limits, tool_parser, any_whitespace)
+    if throughput is not None:
+        front.stats = throughput
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -272,10 +398,38 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMe
     app.state.frontend = front
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:  # outermost, so a preflight (OPTIONS, no key) is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+    _error_handlers(app)
+    _routes(app, front)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: the app's own, unknown paths (404), wrong methods (405), bad bodies."""
 
     @app.exception_handler(RequestError)
     async def request_error(request, exc: RequestError):
         return _error(exc.status, str(exc), exc.param, exc.kind, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        messages = {404: f"{request.method} {request.url.path}: no such route",
+                    405: f"{request.method} is not allowed on {request.url.path}"}
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, messages.get(exc.status_code, str(exc.detail)), kind=kind,
+                      code=str(exc.status_code))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
+
+
+def _routes(app: FastAPI, front: _Frontend) -> None:
+    engine, metrics = front.engine, front.metrics
 
     @app.get("/health")
     async def health():
@@ -294,10 +448,27 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMe
         return {"ranks": [dict(row) for row in engine.engine.rank_report],
                 "block_size": engine.engine.runner.block_size}
 
+    @app.get("/version")
+    async def version():
+        try:
+            return {"version": importlib.metadata.version("ringmoe")}
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree
+            return {"version": "unknown"}
+
+    def card() -> dict:
+        return {"id": front.model_name, "object": "model", "created": 0, "owned_by": "ringmoe",
+                "root": front.model_name, "max_model_len": front.scheduler.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "ringmoe",
-                                            "max_model_len": front.scheduler.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != front.model_name:
+            raise RequestError(f"the model {model_id!r} does not exist; this server serves {front.model_name!r}",
+                               "model", 404, code="model_not_found")
+        return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -307,7 +478,26 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMe
     async def chat_completions(request: Request):
         return await front.run(request, ChatCompletionRequest, True)
 
-    return app
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_json(request, TokenizeRequest, front.limits)
+        if body.model is not None and body.model != front.model_name:
+            raise RequestError(f"the model {body.model!r} does not exist", "model", 404, code="model_not_found")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(model=front.model_name, messages=body.messages)
+            ids = await front._chat_ids(chat)
+        else:
+            ids = await front._encode(body.prompt, body.add_special_tokens, "prompt")
+        return {"count": len(ids), "max_model_len": front.scheduler.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_json(request, DetokenizeRequest, front.limits)
+        if body.model is not None and body.model != front.model_name:
+            raise RequestError(f"the model {body.model!r} does not exist", "model", 404, code="model_not_found")
+        if any(not 0 <= t < front.vocab for t in body.tokens):
+            raise RequestError(f"tokens must lie in [0, {front.vocab})", "tokens")
+        return {"prompt": front.decode(body.tokens)}
 
 
 def _raise_open_files_limit() -> None:

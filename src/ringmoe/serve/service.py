@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..jsonio import read_json
 from ..model import check_checkpoint
 from ..parallel import make_mesh
 from ..parallel.launch import join_torchrun, spawn
@@ -26,6 +27,7 @@ from .engine import Engine
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .server import build_app, serve_app
+from .stats_log import ThroughputLog
 
 __all__ = ["ServeOptions", "run_server", "serve_rank"]
 
@@ -54,6 +56,9 @@ class ServeOptions:
     threads: int | None = None  # intra-op threads per rank; default: the cores less one for HTTP, shared out
     limits: ServerLimits = field(default_factory=ServerLimits)
     api_key: str | None = None  # every /v1 route then needs Authorization: Bearer <api_key>
+    tool_call_parser: str | None = None  # "hermes" | "deepseek_v3" | "none"; default: from the model type
+    json_any_whitespace: bool = False  # JSON grammars may put whitespace between tokens
+    allowed_origins: tuple[str, ...] = ()  # CORS (none by default)
 
     def threads_per_rank(self) -> int:
         """Rank 0 also runs the HTTP loop: leave it a core (busy OpenMP workers starve the event loop)."""
@@ -64,7 +69,24 @@ class ServeOptions:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or Path(self.model).resolve().name
+        """--served-model-name, else the checkpoint's own name: config.json's _name_or_path when it names a model,
+        else the folder's name (the run folder's for a training export ``RUN/hf``)."""
+        if self.served_model_name:
+            return self.served_model_name
+        folder = Path(self.model).resolve()
+        config = folder / "config.json"
+        named = read_json(config).get("_name_or_path") if config.is_file() else None
+        if isinstance(named, str) and named.strip() and not Path(named).is_absolute() and named not in (".", ""):
+            return named
+        return folder.parent.name if folder.name == "hf" and folder.parent.name else folder.name
+
+    def tool_parser(self) -> str | None:
+        """The tool-call syntax: the flag, else DeepSeek-V3's tokens for deepseek_v3, Hermes for the rest."""
+        if self.tool_call_parser is not None:
+            return None if self.tool_call_parser == "none" else self.tool_call_parser
+        config = Path(self.model) / "config.json"
+        model_type = read_json(config).get("model_type") if config.is_file() else None
+        return "deepseek_v3" if model_type == "deepseek_v3" else "hermes"
 
 
 def validate(options: ServeOptions) -> None:
@@ -131,9 +153,16 @@ def _serve_driver(engine, options: ServeOptions) -> int:
         app.state.exit_code = 1
         app.state.server.should_exit = True
 
-    async_engine = AsyncEngine(engine, options.max_waiting, on_step=metrics.on_step, on_failure=failed).start()
+    throughput = ThroughputLog(options.limits.log_stats_s)
+
+    def on_step(stats, outputs):
+        metrics.on_step(stats, outputs)
+        throughput.on_step(stats, outputs)
+
+    async_engine = AsyncEngine(engine, options.max_waiting, on_step=on_step, on_failure=failed).start()
     app = build_app(async_engine, engine.tokenizer, options.name, metrics, options.max_tokens_default,
-                    options.limits, options.api_key)
+                    options.limits, options.api_key, options.tool_parser(),
+                    options.json_any_whitespace, options.allowed_origins, throughput)
 
     def started():
         mesh = engine.mesh

@@ -62,13 +62,14 @@ class TemplateWorkers:
             proc.kill()
         await proc.wait()
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text; TemplateTimeout past the limit, TemplateFailed when the template raises."""
+    async def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The prompt text (``tools``: OpenAI's function definitions, as transformers hands them to templates);
+        TemplateTimeout past the limit, TemplateFailed when the template raises."""
         proc = await self._idle.get()
         healthy = False
         try:
-            proc.stdin.write((json.dumps({"messages": messages, "add_generation_prompt": add_generation_prompt})
-                              + "\n").encode())
+            ask = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools}
+            proc.stdin.write((json.dumps(ask) + "\n").encode())
             await proc.stdin.drain()
             line = await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
             if not line:

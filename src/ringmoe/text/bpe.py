@@ -13,8 +13,22 @@ from pathlib import Path
 __all__ = ["train_tokenizer", "SPECIAL", "CHAT_TEMPLATE", "MIN_VOCAB"]
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML with Hermes-style tools (Qwen's convention): the tool definitions in a system block, calls as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results back as <tool_response> in a user turn
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. The functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\nFor each call, return a JSON object "
+    "within <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and tools and loop.first %}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{% if m.content %}{{ m.content }}\n"
+    "{% endif %}{% for call in m.tool_calls %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 # the smallest byte-level BPE: its 256-byte alphabet and the special tokens

@@ -10,7 +10,7 @@ outlasts its time limit (``serve.templates.TemplateWorkers``).
 
 Protocol on stdin / stdout, one JSON object a line:
     -> {"template": str, "bos_token": str, "eos_token": str}               (first line: the template)
-    -> {"messages": [...], "add_generation_prompt": bool}                    (then one per request)
+    -> {"messages": [...], "add_generation_prompt": bool, "tools": [...]?}   (then one per request)
     <- {"text": str}  or  {"error": str}
 """
 
@@ -40,10 +40,11 @@ def compile_template(source: str):
 
 
 def render_chat(source: str, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
-                eos_token: str = "") -> str:
-    """The prompt text of OpenAI-style ``messages`` ({"role", "content"} dicts) through the template."""
+                eos_token: str = "", tools: list | None = None) -> str:
+    """The prompt text of OpenAI-style ``messages`` ({"role", "content"} dicts) through the template;
+    ``tools`` (OpenAI's function definitions) reach it as ``tools``, as transformers passes them."""
     return compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           bos_token=bos_token, eos_token=eos_token)
+                                           bos_token=bos_token, eos_token=eos_token, tools=tools)
 
 
 def _cap_memory(nbytes: int) -> None:
@@ -64,7 +65,8 @@ def main() -> None:
     for line in sys.stdin:
         try:
             ask = json.loads(line)
-            reply = {"text": render_chat(source, ask["messages"], ask.get("add_generation_prompt", True), bos, eos)}
+            reply = {"text": render_chat(source, ask["messages"], ask.get("add_generation_prompt", True), bos, eos,
+                                         ask.get("tools"))}
         except MemoryError:
             reply = {"error": "the chat template ran out of memory"}
         except RecursionError:
