@@ -11,4 +11,5 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .served import served_checkpoint  # noqa: E402,F401  (a session fixture for tests/serve and tests/security)
+# session fixtures for tests/serve and tests/security
+from .served import harmony_checkpoint, served_checkpoint  # noqa: E402,F401

@@ -50,6 +50,30 @@ def served_checkpoint(tmp_path_factory):
     return path
 
 
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+@pytest.fixture(scope="session")
+def harmony_checkpoint(tmp_path_factory):
+    """The served checkpoint's tokenizer plus gpt-oss's harmony special tokens; <|call|> and <|return|> end a turn."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    path = tmp_path_factory.mktemp("harmony")
+    write_tokenizer(path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.add_special_tokens(HARMONY_TOKENS)
+    tokenizer.save(str(path / "tokenizer.json"))
+    ends = [tokenizer.token_to_id("<|return|>"), tokenizer.token_to_id("<|call|>")]
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, intermediate_size=96, initializer_range=0.1)
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    return path
+
+
 MODEL = "tiny-moe"
 
 

@@ -185,8 +185,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
                        "checkpoint's: config.json _name_or_path, else the folder's, the run's for RUN/hf)")
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "deepseek_v3", "none"],
-                       help="the model's tool-call syntax (default: deepseek_v3 for DeepSeek-V3, else hermes)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "deepseek_v3", "harmony", "none"],
+                       help="the model's tool-call syntax (default: deepseek_v3 for DeepSeek-V3, harmony for "
+                       "gpt-oss, else hermes)")
     serve.add_argument("--json-any-whitespace", action="store_true", help="let JSON grammars (response_format, "
                        "forced tool calls) put whitespace between tokens (default: compact JSON)")
     serve.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; "

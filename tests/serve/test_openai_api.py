@@ -212,6 +212,28 @@ def test_streamed_tool_calls_and_a_tool_result_back(server):
     assert "<tool_response>\nsunny\n</tool_response>" in text["prompt"]
 
 
+def test_harmony_tool_calls_whole_and_streamed(harmony_checkpoint):
+    """gpt-oss's syntax lives in special tokens: the server parses the output decoded with them."""
+    harmony = Server(harmony_checkpoint, 1, 1, "--tool-call-parser", "harmony")
+    try:
+        for seed in range(2):
+            out = _call(harmony, "required", seed=seed).choices[0]
+            assert out.finish_reason == "tool_calls" and len(out.message.tool_calls) == 1
+            assert not out.message.content and "<|" not in (out.message.content or "")
+            call = out.message.tool_calls[0].function
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        streamed, reasons = [], []
+        for chunk in _call(harmony, {"type": "function", "function": {"name": "add"}}, seed=3, stream=True):
+            for c in chunk.choices:
+                reasons += [c.finish_reason] if c.finish_reason else []
+                assert not c.delta.content  # the markers never reach the client as text
+                streamed += [d.function for d in c.delta.tool_calls or () if d.function is not None]
+        assert reasons == ["tool_calls"] and [f.name for f in streamed if f.name] == ["add"]
+        jsonschema.validate(json.loads("".join(f.arguments or "" for f in streamed)), ADD)
+    finally:
+        harmony.stop()
+
+
 # -- endpoints and errors --------------------------------------------------------------------------------------
 def test_endpoints_and_openai_error_shapes(server):
     card = httpx.get(f"{server.url}/v1/models/{MODEL}").json()

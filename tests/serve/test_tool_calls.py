@@ -22,12 +22,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.mark.parametrize("syntax", sorted(FORMATS))
 @pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("get_weather", True)])
-def test_forced_calls_always_parse_and_match_the_schema(served_checkpoint, syntax, choice, parallel):
+def test_forced_calls_always_parse_and_match_the_schema(served_checkpoint, harmony_checkpoint, syntax, choice,
+                                                        parallel):
     pytest.importorskip("xgrammar")
     jsonschema = pytest.importorskip("jsonschema")
     from ringmoe.serve.structured import GrammarBackend, GrammarSpec
 
-    engine = Engine.from_checkpoint(served_checkpoint)
+    engine = Engine.from_checkpoint(harmony_checkpoint if syntax == "harmony" else served_checkpoint)
     backend = GrammarBackend(engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids)
     fmt = FORMATS[syntax]
     grammar = backend.compile(GrammarSpec("structural_tag", fmt.structural_tag(TOOLS, choice, parallel)))
@@ -35,9 +36,13 @@ def test_forced_calls_always_parse_and_match_the_schema(served_checkpoint, synta
                                                   for s in range(4)])
     for out in outs:
         assert out.finish_reason == "stop", out.text
-        content, calls = fmt.parse(out.text)
-        assert content == "" and calls
-        if not parallel or choice != "required":
+        text = engine.tokenizer.decode(out.output_ids, skip_special_tokens=False) if fmt.special_tokens else out.text
+        content, calls = fmt.parse(text)
+        assert content == "" and calls, text
+        if fmt.special_tokens:  # the markers are the special tokens themselves, not their spelling in bytes
+            markers = {engine.tokenizer.backend.token_to_id(t) for t in ("<|channel|>", "<|message|>", "<|call|>")}
+            assert markers <= set(out.output_ids)
+        if not parallel or choice != "required" or syntax == "harmony":
             assert len(calls) == 1
         for call in calls:
             assert call.name in ({"get_weather", "noop"} if choice == "required" else {choice})
@@ -58,6 +63,13 @@ def test_parsers_read_calls_and_leave_other_text_alone():
     content, calls = deepseek.parse(ds)
     assert content == "Sure" and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
     assert len({c.id for c in hermes.parse(text)[1]}) == 2  # ids are unique
+    harmony = FORMATS["harmony"]
+    turn = ("<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>')
+    content, calls = harmony.parse(turn)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    answer = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+    assert harmony.parse(answer) == ("Sunny.", [])
 
 
 @pytest.mark.parametrize("cut", [1, 3, 7])
@@ -86,3 +98,5 @@ def test_default_served_name(tmp_path):
     assert ServeOptions(model=str(named)).tool_parser() == "deepseek_v3"
     assert ServeOptions(model=str(run)).tool_parser() == "hermes"
     assert ServeOptions(model=str(run), tool_call_parser="none").tool_parser() is None
+    (named / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    assert ServeOptions(model=str(named)).tool_parser() == "harmony" and ServeOptions(model=str(named)).name == "snapshot"

@@ -22,6 +22,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ..jsonio import read_json_lines
+from ..text import Tokenizer
+
 __all__ = ["BenchConfig", "run_benchmark", "percentiles", "wait_healthy"]
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or has had "
@@ -137,8 +140,6 @@ def _token_counter(config: BenchConfig):
     """(encode, decode) of the served tokenizer: the local folder, else the server's /tokenize and /detokenize,
     else None (the server has neither)."""
     if config.tokenizer is not None:
-        from ..text import Tokenizer
-
         tokenizer = Tokenizer(config.tokenizer)
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode
     import httpx
@@ -160,8 +161,6 @@ def make_prompts(config: BenchConfig) -> list[tuple[str, int]]:
     """(prompt text, max_tokens) of every request of the run."""
     rng = random.Random(config.seed)
     if config.dataset is not None:
-        from ..jsonio import read_json_lines
-
         rows = read_json_lines(config.dataset)
         if not rows or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in rows):
             raise ValueError(f"--dataset {config.dataset}: every line must be an object with a string 'prompt'")

@@ -146,7 +146,7 @@ class ResponseBuilder:
             out, choice, prompt = finals[index], self.choices[index], index // self.n
             body = {"index": index, "finish_reason": out.finish_reason}
             if self.chat:
-                body["message"] = self._message(out.text, body)
+                body["message"] = self._message(out, body)
                 body["logprobs"] = self._chat_logprobs(choice.logprobs)
             else:
                 head = self.prompts[prompt].text if self.echo else ""
@@ -158,10 +158,11 @@ class ResponseBuilder:
             choices.append(body)
         return {**self._head(False), "choices": choices, "usage": _usage(self.prompt_tokens, self.completion_tokens)}
 
-    def _message(self, text: str, body: dict) -> dict:
-        message = {"role": "assistant", "content": text}
+    def _message(self, out: RequestOutput, body: dict) -> dict:
+        message = {"role": "assistant", "content": out.text}
         if self.tools is not None:
-            content, calls = self.tools.parse(text)
+            content, calls = self.tools.parse(self.decode(out.output_ids) if self.tools.special_tokens else out.text)
+            message["content"] = content
             if calls:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [c.to_openai() for c in calls]}
@@ -193,7 +194,7 @@ class ResponseBuilder:
         text = parser.feed(out.text_delta) if parser is not None else out.text_delta
         chunks, reason = [], out.finish_reason
         if out.finished and parser is not None:
-            rest, calls = parser.finish()
+            rest, calls = parser.finish(self.decode(out.output_ids) if self.tools.special_tokens else None)
             text += rest
             for position, call in enumerate(calls):
                 head = {"index": position, "id": call.id, "type": "function",

@@ -81,12 +81,13 @@ class ServeOptions:
         return folder.parent.name if folder.name == "hf" and folder.parent.name else folder.name
 
     def tool_parser(self) -> str | None:
-        """The tool-call syntax: the flag, else DeepSeek-V3's tokens for deepseek_v3, Hermes for the rest."""
+        """The tool-call syntax: the flag, else DeepSeek-V3's tokens for deepseek_v3, harmony for gpt-oss, Hermes for
+        the rest."""
         if self.tool_call_parser is not None:
             return None if self.tool_call_parser == "none" else self.tool_call_parser
         config = Path(self.model) / "config.json"
         model_type = read_json(config).get("model_type") if config.is_file() else None
-        return "deepseek_v3" if model_type == "deepseek_v3" else "hermes"
+        return {"deepseek_v3": "deepseek_v3", "gpt_oss": "harmony"}.get(model_type, "hermes")
 
 
 def validate(options: ServeOptions) -> None:
