@@ -3,7 +3,8 @@
 Checkpoint: the demo's (small preset, Mixtral architecture, 4 layers, hidden 256, 8 experts top-2,
 float32, a BPE tokenizer trained on the standard library).  Servers on 127.0.0.1, each started,
 warmed up, loaded and stopped in turn: ringmoe 1 x 1 (one process), ringmoe cp=1 x ep=2
-(2 ranks x 1 thread: the mesh that fits 2 cores), transformers serve (CPU, continuous batching) with 2 and
+(2 ranks x 1 thread: the mesh that fits 2 cores), ringmoe-eager (1 x 1 with --enforce-eager: no
+compiled decode graph), transformers serve (CPU, continuous batching) with 2 and
 with 1 intra-op thread (each load compares against the peer's better one).  ringmoe serve's default
 leaves a core to its HTTP loop (1 engine thread on 2 cores).
 Load (``ringmoe bench serve``'s client): streaming /v1/completions, prompts of 32..256 words,
@@ -13,7 +14,8 @@ requests at once, then Poisson rates at concurrency 64.  Writes benchmarks/resul
 serve.png; the rate a server sustains within the TTFT SLO is the highest completed request rate
 among its runs whose p99 TTFT is under it.
 
-    python benchmarks/bench_serve.py [--prompts 64] [--new 32] [--rates 2,4,8,16] [--slo 2.0]
+    python benchmarks/bench_serve.py [--prompts 64] [--new 32] [--concurrency 8,32,64] [--rates 2,4,8,16]
+        [--slo 2.0] [--servers ringmoe,ringmoe-eager,...] [--name serve]
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def start(kind: str, checkpoint: Path, extra: tuple[str, ...] = ()) -> tuple[sub
         model = str(checkpoint)
     else:
         ep = "2" if kind == "ringmoe-ep2" else "1"
+        eager = ["--enforce-eager"] if kind == "ringmoe-eager" else []
         cmd = [str(BIN / "ringmoe"), "serve", "--model", str(checkpoint), "--port", str(port), "--ep", ep,
-               "--served-model-name", "demo", "--kv-cache-tokens", "65536", *extra]
+               "--served-model-name", "demo", "--kv-cache-tokens", "65536", *eager, *extra]
         model = "demo"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -80,7 +83,8 @@ def main():
     parser.add_argument("--concurrency", default="8,32,64")
     parser.add_argument("--rates", default="2,4,8,16")
     parser.add_argument("--slo", type=float, default=2.0, help="p99 TTFT target, seconds")
-    parser.add_argument("--servers", default="ringmoe,ringmoe-ep2,transformers,transformers-1thread")
+    parser.add_argument("--name", default="serve", help="results file name (benchmarks/results/NAME.json)")
+    parser.add_argument("--servers", default="ringmoe,ringmoe-eager,ringmoe-ep2,transformers,transformers-1thread")
     args = parser.parse_args()
     checkpoint = build_demo_checkpoint(Path(tempfile.gettempdir()) / "ringmoe-bench-serve")
     runs = []
@@ -92,7 +96,7 @@ def main():
                                output_len=(args.new, args.new), seed=99)
             run_benchmark(warm)
             plans = [(math.inf, int(c)) for c in args.concurrency.split(",")]
-            plans += [(float(r), max(int(c) for c in args.concurrency.split(","))) for r in args.rates.split(",")]
+            plans += [(float(r), max(int(c) for c in args.concurrency.split(","))) for r in args.rates.split(",") if r]
             for rate, concurrency in plans:
                 config = BenchConfig(url, model, num_prompts=args.prompts, rate=rate, concurrency=concurrency,
                                      input_len=(32, 256), output_len=(args.new, args.new), timeout=600)
@@ -124,7 +128,7 @@ def main():
                      "ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"],
                      "p99_ttft_s": [a["ttft_s"]["p99"], b["ttft_s"]["p99"]]} for a, b in pairs]
     print(summary)
-    write_results("serve", {"checkpoint": "demo (small preset, random weights, float32)", "prompts": args.prompts,
+    write_results(args.name, {"checkpoint": "demo (small preset, random weights, float32)", "prompts": args.prompts,
                             "new_tokens": args.new, "slo_p99_ttft_s": args.slo, "runs": runs, "summary": summary},
                   lambda data, path: plot(data, path), runs)
 

@@ -104,7 +104,10 @@ def alive(pid: int) -> bool:
 class Server:
     """`ringmoe serve` on a free port; ``client`` is the official openai client pointed at it."""
 
-    def __init__(self, checkpoint, cp=1, ep=1, *extra, api_key: str | None = None, env: dict | None = None):
+    def __init__(self, checkpoint, cp=1, ep=1, *extra, api_key: str | None = None, env: dict | None = None,
+                 compiled: bool = False):
+        """compiled: keep the compiled decode graph (compiled at start-up: slower to come up); by default the
+        test servers run eagerly (--enforce-eager) so the suite does not compile a graph per server."""
         import openai
 
         from ringmoe.parallel.launch import free_port
@@ -116,11 +119,12 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
              "--served-model-name", MODEL, "--cp", str(cp), "--ep", str(ep), "--kv-cache-tokens", "4096", *extra]
+            + ([] if compiled else ["--enforce-eager"])
             + (["--api-key", api_key] if api_key else []),
             stdout=subprocess.DEVNULL, stderr=self.log, text=True, start_new_session=True,
             env={**os.environ, **(env or {})})
         try:
-            wait_healthy(self.url, self.proc, 90)
+            wait_healthy(self.url, self.proc, 300 if compiled else 90)
         except RuntimeError as error:
             _, err = self.stop()
             raise RuntimeError(f"{error}\n{err[-3000:]}") from None

@@ -36,13 +36,14 @@ def batch_invariant(rows: int = 16):
 
 
 def tile_rows() -> int | None:
-    """The fixed tile height in force, or None outside ``batch_invariant``."""
-    return _ROWS.get()
+    """The fixed tile height in force, or None outside ``batch_invariant`` (and in code torch.compile traces:
+    the compiled decode step never runs in the deterministic mode, and a context variable breaks its graph)."""
+    return None if torch.compiler.is_compiling() else _ROWS.get()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T (+ bias), batch-invariant inside ``batch_invariant``."""
-    rows = _ROWS.get()
+    rows = tile_rows()
     if rows is None:
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
@@ -68,7 +69,7 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     fall in the tail depends on how many rows the tensor has.  Padding each row to a multiple of 64
     elements puts every element at the same place of its vector whatever the row count, and leaves no tail.
     """
-    if _ROWS.get() is None or x.shape[-1] % _ROW_ALIGN == 0:
+    if tile_rows() is None or x.shape[-1] % _ROW_ALIGN == 0:
         return fn(x)
     cols = x.shape[-1]
     padded = F.pad(x, (0, -cols % _ROW_ALIGN))

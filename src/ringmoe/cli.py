@@ -200,6 +200,8 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-waiting", type=_positive, default=1024, help="waiting requests before 429")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     serve.add_argument("--deterministic", action="store_true", help="bitwise-reproducible tokens whatever the batch")
+    serve.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (default: one rank "
+                       "compiles its decode step with torch.compile at start-up, ~10-40 s on a CPU)")
     serve.add_argument("--threads", type=_positive, default=None, help="intra-op threads per rank (default: the "
                        "cores less one, left to the HTTP loop, shared among the ranks)")
     serve.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
@@ -396,7 +398,8 @@ def _serve(args) -> int:
                            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                           deterministic=args.deterministic, dtype=args.dtype, threads=args.threads,
+                           deterministic=args.deterministic, enforce_eager=args.enforce_eager, dtype=args.dtype,
+                           threads=args.threads,
                            limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),
                            api_key=args.api_key if args.api_key is not None else os.environ.get("RINGMOE_API_KEY"),
                            tool_call_parser=args.tool_call_parser, json_any_whitespace=args.json_any_whitespace,

@@ -16,7 +16,7 @@ import torch
 from .api import flash_attn_func
 from .sinks import add_sinks
 
-__all__ = ["paged_attention", "invariant_causal_attention"]
+__all__ = ["paged_attention", "paged_decode", "invariant_causal_attention"]
 
 KEY_TILE = 128
 
@@ -141,39 +141,71 @@ def _buckets(singles: list[int], contexts: list[int], block_size: int, slack: fl
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, contexts: list[int],
                   tables: list[list[int]], window_left: int, sinks: torch.Tensor | None) -> torch.Tensor:
-    """q (n, heads, D), each row the last position of its sequence -> out (n, heads, D).
-
-    The rows' blocks are gathered in one index_select into (n, width, kv_heads, D), padded with block 0;
-    keys past a row's context, and before its window, are masked; K/V heads are shared without copies
-    (``decode_attention``'s grouping).
-    """
-    n, heads, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    """q (n, heads, D), each row the last position of its sequence -> out (n, heads, D): the rows' blocks
+    gathered in one index_select, padded with block 0 (``paged_decode``)."""
+    block_size = k_cache.shape[1]
     width = max(-(-c // block_size) for c in contexts)
-    index = torch.zeros(n, width, dtype=torch.long)
+    index = torch.zeros(len(contexts), width, dtype=torch.long)
     for row, (context, table) in enumerate(zip(contexts, tables)):
         used = table[: -(-context // block_size)]
         index[row, :len(used)] = torch.tensor(used, dtype=torch.long).clamp(min=0)
-    index = index.to(q.device).flatten()
-    acc = torch.promote_types(q.dtype, torch.float32)
     # one row alone: exactly its context, so its arithmetic depends on nothing but its own keys
-    length = contexts[0] if n == 1 else width * block_size
-    keys = k_cache.index_select(0, index).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
-    values = v_cache.index_select(0, index).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
+    length = contexts[0] if len(contexts) == 1 else width * block_size
+    return paged_decode(q, k_cache, v_cache, index.to(q.device), torch.tensor(contexts, device=q.device), length,
+                        window_left, sinks)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 contexts: torch.Tensor, length: int, window_left: int = -1, sinks: torch.Tensor | None = None,
+                 new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One new token per sequence against a paged cache, in fixed-shape tensor ops (no host work: what the
+    compiled decode step runs).
+
+    q (n, heads, D): row r is position contexts[r] - 1 of its sequence; tables (n, width) int64 block ids
+    (entries past a row's context: any valid block); contexts (n,) int64 keys per row, its own included
+    (>= 1); length <= width * block_size: the keys read per row.  -> out (n, heads, D) in q's dtype.  Keys
+    past a row's context, and before its window, are masked; K/V heads are shared without copies.
+
+    ``new``: each row's own K and V (n, kv_heads, D), not in the cache yet (the caller writes them after
+    this read).  The cached keys 0 .. context - 2 are attended as above and the own key joins by the
+    online-softmax merge: with c = logsumexp of the cached scores and s the own score,
+    lse = logaddexp(c, s), out = exp(c - lse) out_cached + exp(s - lse) v_own (exact; a row with no cached
+    key has c = -inf and its output is v_own).  In a compiled graph this keeps the gather of the cache
+    apart from the write into it (a read after a compiled write searches the written slots for every key).
+    """
+    n, heads, dim = q.shape
+    width = tables.shape[1]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    flat = tables.reshape(-1)
+    keys = k_cache.index_select(0, flat).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
+    values = v_cache.index_select(0, flat).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
     position = torch.arange(length, device=q.device)
-    context = torch.tensor(contexts, device=q.device)[:, None]
-    visible = position[None] < context
+    cached = contexts[:, None] - (0 if new is None else 1)  # keys to read from the cache
+    visible = position[None] < cached
     if window_left >= 0:
-        visible &= position[None] >= context - 1 - window_left
+        visible &= position[None] >= contexts[:, None] - 1 - window_left
     # slots past a row's context hold whatever their block held before (another request's K/V, padding): a
     # zero weight times a stale NaN is NaN, so those values are zeroed, not only their scores masked
     values = values.masked_fill(~visible[:, :, None, None], 0.0)
     group = heads // kv_heads
+    scale = dim**-0.5
     qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
-    scores = torch.einsum("nhgd,nkhd->nhgk", qg, keys) * dim**-0.5                      # (n, Hkv, G, K)
+    # keys and values head-major with whole rows of D (the gather copies contiguous rows; the products read
+    # the keys transposed in place)
+    keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # (n, Hkv, K, D)
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * scale                              # (n, Hkv, G, K)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                                # (n, Hkv, G)
-    out = torch.einsum("nhgk,nkhd->nhgd", torch.exp(scores - lse[..., None]), values).reshape(n, heads, dim)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
+    out = torch.matmul(torch.exp(scores - finite[..., None]), values)                    # (n, Hkv, G, D)
+    if new is not None:
+        own_k, own_v = new[0].to(acc), new[1].to(acc)                                      # (n, Hkv, D)
+        own = torch.einsum("nhgd,nhd->nhg", qg, own_k) * scale
+        merged = torch.logaddexp(lse, own)
+        out = out * torch.exp(lse - merged)[..., None] + own_v[:, :, None] * torch.exp(own - merged)[..., None]
+        lse = merged
+    out = out.reshape(n, heads, dim)
     if sinks is not None:
         out, _ = add_sinks(out[None], lse.reshape(n, heads).T[None], sinks)
         out = out[0]

@@ -101,6 +101,14 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_static(self, x, cos, sin, attention: AttentionBackend):
+        """``forward`` in fixed-shape ops (the MoE block's ``forward_static``): (x, the routing or None)."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
+        if not self.is_moe:
+            return h + self.mlp(self.post_attention_layernorm(h)), None
+        y, routing = self.mlp.forward_static(self.post_attention_layernorm(h)[0])
+        return h + y[None], routing
+
 
 class MoETransformer(nn.Module):
     """The model on one rank of a ``Mesh`` (default: one device).
@@ -197,6 +205,28 @@ class MoETransformer(nn.Module):
                 else:
                     x = layer(x, cos, sin, attention)
         return self.norm(x)
+
+    @property
+    def static_ready(self) -> bool:
+        """``hidden_states_static`` can run: one rank, every MoE block dropless, no latent attention."""
+        return self.mesh.size == 1 and not self.config.mla and all(
+            layer.mlp.static_ready for _, layer in self.moe_layers())
+
+    def hidden_states_static(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                             attention: AttentionBackend) -> tuple[torch.Tensor, list]:
+        """``hidden_states`` of one packed row in fixed-shape ops, with no host synchronisation (no checks,
+        no shape that depends on the data): what torch.compile traces into one graph for a decode step.
+
+        input_ids, positions (T,) int64 -> (hidden (T, hidden), the routing of every MoE layer, in order)."""
+        x = self.embed_tokens(input_ids)[None]
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype,
+                               dict(self.config.rope_scaling))
+        routings = []
+        for layer in self.layers:
+            x, routing = layer.forward_static(x, cos, sin, attention)
+            if routing is not None:
+                routings.append(routing)
+        return self.norm(x)[0], routings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: AttentionBackend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:

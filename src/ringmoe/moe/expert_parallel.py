@@ -37,8 +37,7 @@ import torch.distributed as dist
 from ..parallel.watchdog import activity
 from .dispatch import capacity_for, plan_dispatch
 from .exchange import exchange_counts, start_all_to_all
-from .router import load_balancing_loss, router_z_loss
-from .stats import MoEStats, RouterSums
+from .stats import MoEStats
 
 __all__ = ["expert_parallel_forward"]
 
@@ -266,17 +265,15 @@ def _stats(layer, routing, plan, keep, received_rows: torch.Tensor, timings):
     per_rank = gathered[:, 0].long()
     timings["experts_s_per_rank"] = gathered[:, 1].tolist()
     timings["straggler_s"] = float(gathered[:, 1].max()) - timings["experts_s"]
-    mean, rank_mean = routed.float().mean(), per_rank.float().mean()
+    rank_mean = per_rank.float().mean()
     return MoEStats(
         tokens_per_expert=kept,
         routed_per_expert=routed,
         dropped_assignments=int((~keep).sum()),
         dropped_tokens=int((~kept_tokens).sum()),
-        aux_loss=load_balancing_loss(routing.probs, routing.topk_idx, layer.num_experts),
-        z_loss=router_z_loss(routing.logits),
-        imbalance=float(routed.max() / mean) if mean > 0 else 1.0,
+        routing=routing,
+        num_experts=layer.num_experts,
         tokens_per_rank=per_rank,
         rank_imbalance=float(per_rank.max() / rank_mean) if rank_mean > 0 else 1.0,
         timings=timings,
-        router_sums=RouterSums.of(routing, layer.num_experts),
     )

@@ -11,10 +11,10 @@ import torch.nn as nn
 from .balance import ReplicaPlan
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
 from .expert_parallel import expert_parallel_forward
-from .experts import SharedExpert, SwiGLUExperts
+from .experts import SharedExpert, SwiGLUExperts, activate
 from .hf import layer_from_hf
-from .router import Router, load_balancing_loss, router_z_loss
-from .stats import MoEStats, RouterSums
+from .router import Router, Routing
+from .stats import MoEStats
 
 __all__ = ["MoELayer", "check_capacity_factor"]
 
@@ -104,6 +104,7 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size, expert_bias, swiglu_limit, swiglu_alpha)
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
+        self.dense_below = 32  # forward_static: from this many tokens, the sorted GEMMs (bench_decode.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
@@ -125,17 +126,77 @@ class MoELayer(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = capacity_for(self.capacity_factor, tokens, self.top_k, self.num_experts)
+        y, plan = self._local_experts(flat, routing, capacity)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        self.last_stats = self._stats(routing, plan)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def _local_experts(self, flat: torch.Tensor, routing: Routing, capacity: int | None):
+        """The routed part of the output (T, H) from this rank's experts, tokens sorted by expert (one GEMM
+        pair per expert, dropless; or the padded (E, C, H) buffer under a capacity); and the plan."""
         plan = plan_dispatch(routing.topk_idx, routing.topk_weight, self.num_experts, capacity)
         expert_in = permute(flat, plan, self.num_experts)
         if capacity is None:
             expert_out = self.experts.grouped(expert_in, plan.counts.tolist())
         else:
             expert_out = self.experts.padded(expert_in)
-        y = unpermute(expert_out, plan, routing.topk_weight, tokens)
+        return unpermute(expert_out, plan, routing.topk_weight, flat.shape[0]), plan
+
+    @torch.compiler.disable
+    def _grouped_outside_graph(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        # the per-expert split depends on the routing: torch.compile runs this part eagerly (a graph break)
+        return self._local_experts(flat, routing, None)[0]
+
+    @property
+    def static_ready(self) -> bool:
+        """The layer can run ``forward_static``: dropless, every expert local."""
+        return self.capacity_factor is None and self.ep_size == 1
+
+    def forward_static(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """The same function as ``forward`` in fixed-shape tensor ops (no host synchronisation, no shape that
+        depends on the routing): what a compiled decode step runs.  x (T, H) -> (y (T, H), the routing).
+
+        Few assignments (T * top_k < num_experts): each assignment's expert weights are gathered and applied
+        as a batch of matrix-vector products (the weights of the experts in use are read, as in ``forward``).
+        Up to ``dense_below`` tokens: every expert runs on every token and the outputs are summed with the
+        combine weights, zero for the experts a token did not pick (num_experts / top_k times the
+        arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
+        sorted per-expert GEMMs of ``forward``, run outside the compiled graph (their split depends on the
+        routing), where the extra arithmetic of the dense form would cost more than the break.  Dropless
+        and local only (``static_ready``); ``record`` turns the routing of the real rows into ``last_stats``."""
+        routing = self.router(x)
+        tokens, k = routing.topk_idx.shape
+        experts = self.experts
+        if tokens * k < self.num_experts:
+            # matrix-vector products written as multiply-and-sum: compiled, each is one kernel that reads the
+            # chosen expert's weights where they lie (a gather then a GEMM would copy them first)
+            chosen = routing.topk_idx.reshape(-1)
+            rows = x.repeat_interleave(k, dim=0)                                               # (T k, H)
+            h = (experts.gate_up[chosen] * rows[:, None, :]).sum(-1)                           # (T k, 2F)
+            if experts.gate_up_bias is not None:
+                h = h + experts.gate_up_bias.index_select(0, chosen)
+            a = activate(h, experts.limit, experts.alpha)                                      # (T k, F)
+            y = (experts.down[chosen] * a[:, None, :]).sum(-1)                                 # (T k, H)
+            if experts.down_bias is not None:
+                y = y + experts.down_bias.index_select(0, chosen)
+            y = (y.view(tokens, k, -1) * routing.topk_weight.to(y.dtype)[..., None]).sum(1)
+        elif tokens >= self.dense_below:
+            y = self._grouped_outside_graph(x, routing)
+        else:
+            every = experts.padded(x.expand(self.num_experts, *x.shape))                     # (E, T, H)
+            combine = torch.zeros(tokens, self.num_experts, dtype=every.dtype, device=x.device)
+            combine.scatter_(1, routing.topk_idx, routing.topk_weight.to(every.dtype))
+            y = torch.einsum("eth,te->th", every, combine)
         if self.shared is not None:
-            y = y + self.shared(flat)
-        self.last_stats = self._stats(routing, plan)
-        return y.to(x.dtype).reshape(x.shape)
+            y = y + self.shared(x)
+        return y.to(x.dtype), routing
+
+    def record(self, routing: Routing) -> None:
+        """``last_stats`` of a ``forward_static`` call, from the routing of its real rows (dropless)."""
+        counts = torch.bincount(routing.topk_idx.reshape(-1), minlength=self.num_experts)
+        self.last_stats = MoEStats(tokens_per_expert=counts, routed_per_expert=counts, dropped_assignments=0,
+                                   dropped_tokens=0, routing=routing, num_experts=self.num_experts)
 
     @torch.no_grad()
     def load_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -165,18 +226,9 @@ class MoELayer(nn.Module):
         return state
 
     def _stats(self, routing, plan) -> MoEStats:
-        routed = plan.routed
-        mean = routed.float().mean()
-        return MoEStats(
-            tokens_per_expert=plan.counts,
-            routed_per_expert=routed,
-            dropped_assignments=plan.dropped_assignments,
-            dropped_tokens=plan.dropped_tokens,
-            aux_loss=load_balancing_loss(routing.probs, routing.topk_idx, self.num_experts),
-            z_loss=router_z_loss(routing.logits),
-            imbalance=float(routed.max() / mean) if mean > 0 else 1.0,
-            router_sums=RouterSums.of(routing, self.num_experts),
-        )
+        return MoEStats(tokens_per_expert=plan.counts, routed_per_expert=plan.routed,
+                        dropped_assignments=plan.dropped_assignments, dropped_tokens=plan.dropped_tokens,
+                        routing=routing, num_experts=self.num_experts)
 
     # -- transformers interop -------------------------------------------------------
     @classmethod

@@ -100,16 +100,14 @@ class Router(nn.Module):
             logits = logits + self.bias.to(dtype)
         if self.kind == "topk_softmax":
             probs = torch.softmax(logits, dim=-1)
-            choice = logits.detach() + self.correction_bias if self.correction_bias.any() else logits
-            idx = torch.topk(choice, self.top_k, dim=-1).indices
+            # the bias steers the choice only; a zero bias (the default) adds exact zeros: the same choice
+            idx = torch.topk(logits.detach() + self.correction_bias, self.top_k, dim=-1).indices
             return Routing(logits, probs, idx, torch.softmax(logits.gather(1, idx), dim=-1))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
-            if self.correction_bias.any():  # auxiliary-loss-free balancing: the bias steers the choice only
-                idx = torch.topk(probs.detach() + self.correction_bias, self.top_k, dim=-1).indices
-                weight = probs.gather(1, idx)
-            else:
-                weight, idx = torch.topk(probs, self.top_k, dim=-1)
+            # auxiliary-loss-free balancing: the bias steers the choice only (a zero bias: the plain top-k)
+            idx = torch.topk(probs.detach() + self.correction_bias, self.top_k, dim=-1).indices
+            weight = probs.gather(1, idx)
             if self.normalize_topk:
                 weight = weight / weight.sum(dim=-1, keepdim=True)
             return Routing(logits, probs, idx, weight)

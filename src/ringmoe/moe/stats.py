@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+
+from .router import Routing, load_balancing_loss, router_z_loss
 
 __all__ = ["MoEStats", "RouterSums"]
 
@@ -15,8 +18,9 @@ class MoEStats:
 
     tokens_per_expert: (E,) int64 assignments kept per expert; routed_per_expert: before capacity.
     dropped_assignments / dropped_tokens: lost to capacity (a dropped token keeps only its residual).
-    aux_loss, z_loss: scalar tensors with gradients.  imbalance: max / mean routed load.
-    Expert parallelism adds (else None): tokens_per_rank (P,) assignments each rank's
+    aux_loss, z_loss: scalar tensors with gradients, and ``router_sums``: computed from the call's routing
+    when first read (serving never reads them, so it never pays for them).  imbalance: max / mean routed
+    load.  Expert parallelism adds (else None): tokens_per_rank (P,) assignments each rank's
     experts computed (dropped ones never travel), rank_imbalance (max / mean of those),
     and ``timings``: seconds in route / dispatch / experts / combine on this rank
     (``dispatch_s`` packs and sends rows, ``combine_s`` brings them home; ``wait_s``
@@ -33,13 +37,28 @@ class MoEStats:
     routed_per_expert: torch.Tensor
     dropped_assignments: int
     dropped_tokens: int
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
-    imbalance: float
+    routing: "Routing" = field(repr=False)
+    num_experts: int
     tokens_per_rank: torch.Tensor | None = None
     rank_imbalance: float | None = None
     timings: dict | None = None
-    router_sums: "RouterSums | None" = None
+
+    @property
+    def imbalance(self) -> float:
+        mean = self.routed_per_expert.float().mean()
+        return float(self.routed_per_expert.max() / mean) if mean > 0 else 1.0
+
+    @cached_property
+    def aux_loss(self) -> torch.Tensor:
+        return load_balancing_loss(self.routing.probs, self.routing.topk_idx, self.num_experts)
+
+    @cached_property
+    def z_loss(self) -> torch.Tensor:
+        return router_z_loss(self.routing.logits)
+
+    @cached_property
+    def router_sums(self) -> "RouterSums":
+        return RouterSums.of(self.routing, self.num_experts)
 
 
 @dataclass

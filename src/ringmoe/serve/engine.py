@@ -42,7 +42,7 @@ from .kv_cache import BlockManager
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
 from .runner import ModelRunner, WorkItem
-from .sampling import SamplingParams, next_token, prompt_choices
+from .sampling import SamplingParams, TokenChoice, greedy_batch, next_token, prompt_choices
 from .scheduler import Scheduler
 from .structured import grammar_masks
 
@@ -93,6 +93,10 @@ class Engine:
     engine with its last output, so memory stays flat however many requests pass.  return_logits: each
     RequestOutput carries the (vocab,) float32 logits its token was drawn from (exactness checks).
     A request whose sampling fails (NaN logits, say) ends alone with finish_reason "error".
+    decode_graph: how the decode-only steps run (``decode_graph.py``): "off" (the general eager step),
+    "static" (padded to a bucket, fixed-shape ops, eager), "compiled" (the same under torch.compile,
+    compiled here, before the first request: ``compile_seconds``).  The graph serves one-rank models
+    with dropless experts outside the deterministic mode; other steps and models run eagerly.
 
     Parallel samples (``params.n > 1``): the prompt is computed once; when its first token is drawn the
     request forks into n (ids ``rid``, ``rid#1`` ... ``rid#{n-1}``, sharing the prompt's KV blocks with copy
@@ -106,7 +110,8 @@ class Engine:
     def __init__(self, model: MoETransformer, tokenizer=None, kv_cache_tokens: int | None = 32768, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
-                 deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False):
+                 deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False,
+                 decode_graph: str = "off"):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if kv_cache_bytes is not None:
@@ -133,7 +138,11 @@ class Engine:
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
         self.window_reach = max(reach) if all(r >= 0 for r in reach) else None
         num_blocks = -(-kv_cache_tokens // block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic, decode_graph)
+        self.compile_seconds = 0.0
+        if decode_graph == "compiled" and self.runner.decode_graph is not None and not deterministic:
+            self.compile_seconds = self.runner.decode_graph.warm_up(max_num_seqs)
+            log.info("decode step compiled in %.1f s", self.compile_seconds)
         self.record_steps = record_steps
         self.is_driver = self.mesh.size == 1 or dist.get_rank() == 0
         cp, ep = self.mesh.cp, self.mesh.ep
@@ -292,7 +301,9 @@ class Engine:
             with torch.no_grad(), self._invariance():
                 logits = self.model.lm_head(hidden.to(self.runner.device)).float()
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
-            outputs += [out for r, row, mask in zip(due, logits, masks) for out in self._advance(r, row, mask)]
+            chosen = self._greedy_rows(due, logits, masks)
+            outputs += [out for i, (r, row, mask) in enumerate(zip(due, logits, masks))
+                        for out in self._advance(r, row, mask, chosen.get(i))]
         for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
             if out.finished:
                 self.requests.pop(out.request_id, None)
@@ -366,11 +377,22 @@ class Engine:
         if self.is_driver and self.mesh.size > 1:
             dist.broadcast_object_list([None], src=0)
 
-    def _advance(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> list[RequestOutput]:
-        """Sample ``request``'s next token (and, at its first token under n > 1, fork the other samples, which
-        draw theirs from the same logits); the outputs."""
+    @staticmethod
+    def _greedy_rows(due: list[Request], logits: torch.Tensor, masks: list) -> dict[int, TokenChoice]:
+        """The tokens of the plain greedy rows (no grammar, nothing banned), chosen together: {row: choice}."""
+        rows = [i for i, (r, mask) in enumerate(zip(due, masks)) if mask is None and r.params.plain_greedy
+                and r.params.n == 1 and len(r.output_ids) >= r.params.min_tokens]
+        if not rows:
+            return {}
+        choices = greedy_batch(logits[rows] if len(rows) < len(due) else logits)
+        return {i: c for i, c in zip(rows, choices) if c is not None}
+
+    def _advance(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
+                 choice: TokenChoice | None = None) -> list[RequestOutput]:
+        """Sample ``request``'s next token (``choice`` when it was chosen already; and, at its first token under
+        n > 1, fork the other samples, which draw theirs from the same logits); the outputs."""
         forks = self._fork(request) if request.params.n > 1 and request.index == 0 and not request.output_ids else []
-        return [self._sample_safely(r, logits, mask) for r in [request, *forks]]
+        return [self._sample_safely(r, logits, mask, choice) for r in [request, *forks]]
 
     def _fork(self, parent: Request) -> list[Request]:
         """The other n - 1 samples of ``parent``'s prompt, computed as far as it (sharing its blocks)."""
@@ -387,12 +409,13 @@ class Engine:
             children.append(child)
         return children
 
-    def _sample_safely(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> RequestOutput:
+    def _sample_safely(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
+                       choice: TokenChoice | None = None) -> RequestOutput:
         """Sample and apply the stop rules; if anything of that fails (NaN logits, a token its detokenizer
         cannot take...), the request ends alone with finish_reason "error"."""
         emitted_before = request.emitted
         try:
-            return self._sample(request, logits, mask)
+            return self._sample(request, logits, mask, choice)
         except Exception as error:
             log.error("request %s ends with an error: %s", request.request_id, error)
             if request.status != Status.FINISHED:
@@ -434,12 +457,15 @@ class Engine:
             outputs.append(self._output(twin, [], "", "length", []))
         return outputs
 
-    def _sample(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> RequestOutput:
+    def _sample(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
+                choice: TokenChoice | None = None) -> RequestOutput:
         params = request.params
-        banned = []
-        if len(request.output_ids) < params.min_tokens:
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
-        choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned, mask)
+        if choice is None:
+            banned = []
+            if len(request.output_ids) < params.min_tokens:
+                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+            choice = next_token(logits, params, request.prompt_ids, request.output_ids, request.generator, banned,
+                                mask)
         request.output_ids.append(choice.token)
         if params.logprobs is not None:
             request.logprobs.append(choice)

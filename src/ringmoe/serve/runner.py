@@ -26,6 +26,7 @@ import torch
 from ..model.transformer import MoETransformer
 from ..parallel.layout import positions as layout_positions, shard
 from ..parallel.ring import RingStats
+from .decode_graph import DecodeGraph
 from .placement import owned_prefill_positions, padded_length
 from .step_attention import StepAttention
 
@@ -58,22 +59,31 @@ class WorkItem:
 
 class ModelRunner:
     def __init__(self, model: MoETransformer, num_blocks: int, block_size: int, backend: str = "auto",
-                 deterministic: bool = False):
+                 deterministic: bool = False, decode_graph: str = "off"):
+        """decode_graph: how decode-only steps run: "compiled" (``DecodeGraph`` under torch.compile),
+        "static" (the same padded fixed-shape step, eager), "off" (the general eager step)."""
+        if decode_graph not in ("compiled", "static", "off"):
+            raise ValueError(f"decode_graph must be 'compiled', 'static' or 'off', got {decode_graph!r}")
         config = model.config
         param = model.embed_tokens.weight
         self.model, self.block_size, self.backend = model.eval(), block_size, backend
         self.deterministic = deterministic
         self.mesh, self.layout = model.mesh, model.layout
         self.latent = config.mla  # MLA: the cache holds each token's latent and RoPE key, once (K = V)
+        # one block past the block manager's: the scratch block, where padding rows of a decode graph write
+        self.scratch_block = num_blocks
         if self.latent:
-            shape = (num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+            shape = (num_blocks + 1, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
         else:
-            shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+            shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
         self.v_cache = self.k_cache if self.latent else [torch.zeros(shape, dtype=param.dtype, device=param.device)
                                                           for _ in range(config.num_layers)]
         self.ring_stats = RingStats()
         self.history: list[dict] = []  # per step, when the engine records them
+        self.decode_graph = None  # a model that cannot run the fixed-shape step (a mesh, MLA...) never has one
+        if decode_graph != "off" and model.static_ready:
+            self.decode_graph = DecodeGraph(self, decode_graph == "compiled")
 
     @property
     def device(self) -> torch.device:
@@ -89,11 +99,12 @@ class ModelRunner:
         """Cache slots (block * block_size + offset) of a request's local positions ``local``."""
         return [table[i // self.block_size] * self.block_size + i % self.block_size for i in local]
 
-    def write(self, index: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``index``'s K/V (n, kv_heads, D) into cache slots ``slots``."""
-        if not slots:
+    def write(self, index: int, slots: list[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``index``'s K/V (n, kv_heads, D) into cache slots ``slots`` (a list, or an int64 tensor on the
+        runner's device)."""
+        if len(slots) == 0:
             return
-        at = torch.tensor(slots, dtype=torch.long, device=self.device)
+        at = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long, device=self.device)
         self.k_cache[index].view(-1, *k.shape[1:]).index_copy_(0, at, k)
         self.v_cache[index].view(-1, *v.shape[1:]).index_copy_(0, at, v)
 
@@ -116,6 +127,8 @@ class ModelRunner:
     def step(self, items: list[WorkItem]) -> dict:
         """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here
         (and {("all", request_id): hidden (n, hidden_size)} for items marked report_all)."""
+        if self.decode_graph is not None and DecodeGraph.accepts(self, items):
+            return self.decode_graph.run(items)
         copies = [c for item in items for c in item.copies or ()]
         if copies:
             self.copy_blocks(copies)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "next_token", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits", "prompt_choices"]
+__all__ = ["SamplingParams", "next_token", "greedy_batch", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits",
+           "prompt_choices"]
 
 MAX_LOGPROBS = 20
 # below this temperature sampling is greedy (vLLM's rule): dividing logits by 1e-300 overflows to inf
@@ -123,6 +124,12 @@ class SamplingParams:
             _number("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
 
     @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits, nothing else: no penalty, no bias, no top logprobs (``greedy_batch``)."""
+        return (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty and not self.logit_bias and not self.logprobs)
+
+    @property
     def greedy(self) -> bool:
         """temperature 0, or so close to it that dividing by it would overflow: the argmax."""
         return self.temperature < GREEDY_BELOW
@@ -204,6 +211,19 @@ def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
         values, ids = torch.topk(raw_logprobs, min(params.logprobs, raw_logprobs.shape[0]))
         choice.top = list(zip(ids.tolist(), values.tolist()))
     return choice
+
+
+def greedy_batch(logits: torch.Tensor) -> list[TokenChoice | None]:
+    """``next_token`` for rows of plain greedy requests (no penalty, bias, banned token, grammar or top
+    logprobs: ``SamplingParams.plain_greedy``) in a few batched ops: logits (B, V) -> a choice per row, the
+    same as ``next_token`` gives it, or None for a row with NaN or +inf logits (``next_token`` then raises
+    for that request alone)."""
+    logits = logits.float()
+    finite = ~(torch.isnan(logits).any(dim=1) | torch.isposinf(logits).any(dim=1))
+    tokens = torch.argmax(logits, dim=1)
+    logprobs = torch.log_softmax(logits, dim=1).gather(1, tokens[:, None])[:, 0]
+    return [TokenChoice(t, lp) if ok else None
+            for t, lp, ok in zip(tokens.tolist(), logprobs.tolist(), finite.tolist())]
 
 
 def prompt_choices(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenChoice]:

@@ -51,6 +51,7 @@ class ServeOptions:
     max_waiting: int = 1024
     max_tokens_default: int = 256
     deterministic: bool = False
+    enforce_eager: bool = False  # decode steps eager too (default: the compiled decode graph where it applies)
     dtype: str = "float32"
     layout: str = "zigzag"
     threads: int | None = None  # intra-op threads per rank; default: the cores less one for HTTP, shared out
@@ -141,13 +142,15 @@ def _build_engine(options: ServeOptions, mesh):
         options.model, mesh, dtype=DTYPES[options.dtype], layout=options.layout,
         kv_cache_tokens=options.kv_cache_tokens, block_size=options.block_size, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
-        deterministic=options.deterministic,
+        deterministic=options.deterministic, decode_graph="off" if options.enforce_eager else "compiled",
     )
 
 
 def _serve_driver(engine, options: ServeOptions) -> int:
     metrics = ServerMetrics(options.name)
     app = None
+    if engine.compile_seconds:
+        print(f"ringmoe serve: decode step compiled in {engine.compile_seconds:.1f} s", file=sys.stderr, flush=True)
 
     def failed(error):  # the engine thread died (a collective broke): stop serving, exit non-zero
         print(f"ringmoe serve: the engine stopped: {error}", file=sys.stderr, flush=True)

@@ -41,7 +41,10 @@ class StepAttention:
         self.cu = [0]
         for _, _, n in paged:
             self.cu.append(self.cu[-1] + n)
-        self.paged_slots = [s for i, _, n in paged for s in runner.slots(i.tables[0], range(i.start, i.start + n))]
+        self.paged_slots = torch.tensor([s for i, _, n in paged for s in runner.slots(i.tables[0], range(
+            i.start, i.start + n))], dtype=torch.long, device=runner.device)
+        # the paged items' rows of the packed row: built once per step, used by every layer
+        self.paged_rows = torch.cat([torch.arange(o, o + n) for _, o, n in paged]) if paged else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q[0], k[0], v[0]
@@ -56,8 +59,7 @@ class StepAttention:
         return out[None]
 
     def _paged(self, layer, q, k, v, out, options) -> None:
-        runner = self.runner
-        rows = torch.cat([torch.arange(o, o + n) for _, o, n in self.paged])
+        runner, rows = self.runner, self.paged_rows
         runner.write(layer, self.paged_slots, k[rows], v[rows])
         out[rows] = paged_attention(q[rows], runner.k_cache[layer], runner.v_cache[layer], self.cu,
                                     [i.start + n for i, _, n in self.paged], [i.tables[0] for i, _, _ in self.paged],

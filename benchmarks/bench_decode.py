@@ -1,0 +1,170 @@
+"""One decode step of the engine, as close to its arithmetic as it gets: step time at batch 1 .. 64.
+
+Model: the small preset (4 layers, hidden 256, 8 experts top-2, vocab 4096; ~15M parameters), random
+weights, float32, 2 threads.  Each batch size B: B requests with 64-token prompts are prefilled, then every
+request decodes greedily (EOS ignored) and the engine's own step time is recorded for ``--steps`` steps; the
+median is reported with:
+
+- the compute floor of the same step: its FLOPs (2 x the multiply-adds of every matmul a token of that step
+  runs, attention over its context included) over the machine's measured sgemm rate (a (512, 512) x (512,
+  512) product on the same threads), and the bytes floor: the weights the step must read once (attention,
+  router, the experts its tokens select, the LM head) over a measured memory-copy rate;
+- the host-overhead share from the torch profiler: the part of a step not spent inside matmul / attention
+  kernels (the Python, dispatch, small ops and synchronisation around them; for the compiled graph its
+  fused kernels count as overhead too, so the share is an upper bound there).
+
+Each batch runs twice: the eager step (``decode_graph="off"``) and the compiled decode graph
+(``decode_graph="compiled"``, its compile time reported); the ratio is the speed-up.
+
+Writes benchmarks/results/decode.json and decode.png.
+
+    python benchmarks/bench_decode.py [--batches 1,8,32,64] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import pyplot, write_results  # noqa: E402
+
+from ringmoe.model import MoETransformer, preset  # noqa: E402
+from ringmoe.serve import Engine, SamplingParams  # noqa: E402
+
+PROMPT = 64
+# kernels that do the step's arithmetic; everything else in a step is overhead
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::baddbmm", "aten::linear")
+
+
+def machine_rates(device: str) -> dict:
+    """sgemm FLOP/s and memory-copy bytes/s on the device (this process's threads on a CPU; medians of 20)."""
+    size = 512 if device == "cpu" else 4096
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    big = torch.randn(16 * 2**20 // 4 * (1 if device == "cpu" else 64), device=device)
+    out = torch.empty_like(big)
+    gemm, copy = [], []
+
+    def timed(fn) -> float:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(20):
+        gemm.append(timed(lambda: torch.mm(a, b)))
+        copy.append(timed(lambda: out.copy_(big)))
+    return {"sgemm_flops": 2 * size**3 / statistics.median(gemm),
+            "copy_bytes_per_s": 2 * big.numel() * 4 / statistics.median(copy)}
+
+
+def step_cost(model: MoETransformer, batch: int, context: int) -> tuple[float, float]:
+    """(FLOPs, weight bytes read) of one decode step of ``batch`` tokens, each over ``context`` cached keys."""
+    c = model.config
+    attention = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    expert = 3 * c.hidden_size * c.ffn_size
+    router = c.hidden_size * c.num_experts
+    scores = 2 * c.num_heads * c.head_dim * context  # q.k and p.v
+    per_token = c.num_layers * (attention + c.top_k * expert + router + scores) + c.hidden_size * c.vocab_size
+    touched = min(c.num_experts, batch * c.top_k)  # experts read at least once (uniform routing's best case)
+    weights = c.num_layers * (attention + touched * expert + router) + c.hidden_size * c.vocab_size
+    return 2.0 * per_token * batch, 4.0 * weights
+
+
+def host_share(engine: Engine, steps: int) -> float:
+    """The share of the profiled steps' wall time spent outside the compute kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    compute = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in COMPUTE_OPS) / 1e6
+    return max(0.0, 1.0 - compute / wall)
+
+
+def measure(model: MoETransformer, batch: int, steps: int, mode: str) -> dict:
+    engine = Engine(model, kv_cache_tokens=batch * (PROMPT + 3 * steps + 32) + 256, max_num_seqs=max(64, batch),
+                    max_num_batched_tokens=max(2048, batch * PROMPT), decode_graph=mode)
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, model.config.vocab_size, (PROMPT,), generator=gen).tolist(), params)
+    while engine.last_stats.num_sequences != batch or engine.last_stats.batch_tokens != batch:
+        engine.step()  # prefill, until a step is one decode per request
+    for _ in range(8):  # warm-up
+        engine.step()
+    times = []
+    for _ in range(steps):
+        engine.step()
+        times.append(engine.last_stats.step_s)
+    share = host_share(engine, steps // 2)
+    step_s = statistics.median(times)
+    flops, weight_bytes = step_cost(model, batch, PROMPT + 8 + steps)
+    return {"batch": batch, "mode": mode, "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s, "flops": flops,
+            "weight_bytes": weight_bytes, "host_overhead_share": share, "compile_s": engine.compile_seconds}
+
+
+def plot(data: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, label in (("off", "eager step"), ("compiled", "compiled decode graph")):
+        rows = [r for r in data["steps"] if r["mode"] == mode]
+        ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label=label)
+    ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "s--",
+            label="floor: max(FLOPs / sgemm, weight bytes / copy)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decoding requests (batch)")
+    ax.set_ylabel("ms per step")
+    ax.set_title("decode step vs its floor (small preset, fp32, 2 threads)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (benchmarks/gpu.sh)")
+    parser.add_argument("--name", default="decode", help="results file name")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = MoETransformer(preset("small")).eval().to(args.device)
+    rates = machine_rates(args.device)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for mode in ("off", "compiled"):
+            row = measure(model, batch, args.steps, mode)
+            row["compute_floor_ms"] = 1e3 * row["flops"] / rates["sgemm_flops"]
+            row["bytes_floor_ms"] = 1e3 * row["weight_bytes"] / rates["copy_bytes_per_s"]
+            row["floor_ms"] = max(row["compute_floor_ms"], row["bytes_floor_ms"])
+            row["over_floor"] = row["step_ms"] / row["floor_ms"]
+            rows.append(row)
+            print(f"batch {batch:3d} {mode:8s}: {row['step_ms']:.2f} ms/step ({row['tokens_per_s']:.0f} tok/s), "
+                  f"floor {row['floor_ms']:.3f} ms ({row['over_floor']:.0f}x), host overhead "
+                  f"{row['host_overhead_share']:.0%}")
+    eager = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "off"}
+    speedup = {str(r["batch"]): eager[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
+    data = {"model": "small preset, random weights, float32", "threads": 2, "device": args.device,
+            "prompt_tokens": PROMPT,
+            "rates": rates, "steps": rows, "compiled_speedup": speedup,
+            "compile_s": max(r["compile_s"] for r in rows)}
+    out = write_results(args.name, data)
+    plot(data, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

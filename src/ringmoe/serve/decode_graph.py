@@ -1,0 +1,142 @@
+"""The decode step as one compiled graph: a batch of one-token decodes padded to a bucket, run by torch.compile.
+
+A step whose every item is one new token of a running request (the steady state of serving) is, apart
+from its sizes, always the same computation.  ``DecodeGraph`` turns it into tensors and runs the model's
+fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
+
+- the batch is padded to a bucket size (1, 2, 4, 8, ... ``max_num_seqs``) and each row's block table to a
+  power-of-two width, so the graph meets a handful of shapes; padding rows decode token 0 at position 0
+  into the runner's scratch block (a block the block manager never hands out) and are dropped after;
+- the K/V writes (``index_copy_`` at each row's slot) and the paged attention (``paged_decode``: blocks
+  gathered by table, keys past a row's context masked) are tensor ops inside the graph, as are the
+  router and the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack;
+  the routing of the real rows comes out of the graph and becomes the MoE statistics once per step;
+- torch.compile (inductor; on a GPU ``mode="reduce-overhead"`` records CUDA graphs) specialises the
+  batch bucket and treats the table width as dynamic; inductor keeps its compiled code in its on-disk
+  cache, so a restart of the server recompiles quickly.
+
+Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
+mode, meshes (cp or ep > 1), latent attention and capacity-bounded experts take the eager path
+(``ModelRunner.step``).  ``compile=False`` runs the same padded fixed-shape step eagerly (what the
+equality tests compare against, and a fallback).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..attention.paged import paged_decode
+
+__all__ = ["DecodeGraph", "bucket"]
+
+MIN_WIDTH = 2  # blocks per table row at least: a width of 1 would be a shape torch.compile specialises
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+class TableAttention:
+    """The ``AttentionBackend`` of a padded decode batch: row r writes its K/V at ``slots[r]`` and attends
+    to the blocks ``tables[r]`` (``contexts[r]`` keys, its own included)."""
+
+    absorbed = latent_ring = False
+
+    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], slots: torch.Tensor,
+                 tables: torch.Tensor, contexts: torch.Tensor):
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.slots, self.tables, self.contexts = slots, tables, contexts
+        self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V (B, Hkv, D) to write
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, B, H, D), k, v (1, B, Hkv, D) -> (1, B, H, D)."""
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        options = self.model.attention_options(layer)
+        length = self.tables.shape[1] * k_cache.shape[1]
+        # the cache is read as it was before this step and each row's own K/V joins at its last position; the
+        # new K/V leave the graph and are written after it: a compiled write into the cache copies the whole
+        # cache (its input), and a read after a write searches the written slots for every key it gathers
+        self.new_kv.append((k[0], v[0]))
+        return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, options["window_size"][0],
+                            options["sinks"], new=(k[0], v[0]))[None]
+
+
+def _decode_step(model, ids, positions, slots, tables, contexts, k_caches, v_caches):
+    """-> (hidden (B, hidden), the MoE layers' routings, every layer's new K and V)."""
+    attention = TableAttention(model, k_caches, v_caches, slots, tables, contexts)
+    hidden, routings = model.hidden_states_static(ids, positions, attention)
+    return hidden, routings, attention.new_kv
+
+
+class DecodeGraph:
+    """Runs the decode-only steps of a ``ModelRunner`` (see the module's docstring)."""
+
+    def __init__(self, runner, compile: bool = True):
+        self.runner = runner
+        self.compiled = compile
+        # every size symbolic: one graph serves every bucket of two rows or more and every table width
+        # (a batch of one is specialised by torch.compile: its own graph)
+        # on a GPU "reduce-overhead" also records each bucket's step as a CUDA graph (one launch per step)
+        mode = "reduce-overhead" if runner.device.type == "cuda" else None
+        self.fn = torch.compile(_decode_step, dynamic=True, mode=mode) if compile else _decode_step
+        self.steps = 0  # decode steps run through the graph
+
+    @torch.no_grad()
+    def warm_up(self, max_rows: int) -> float:
+        """Compile now rather than at the first requests: every bucket up to ``max_rows`` runs once (most
+        reuse one graph; the experts' forms switch with the row count); seconds taken.  The rows decode
+        into the scratch block only: no request's cache is touched."""
+        runner, start = self.runner, time.perf_counter()
+        scratch = runner.scratch_block
+        for rows in sorted({bucket(n) for n in range(1, max_rows + 1)}):
+            zeros = torch.zeros(rows, dtype=torch.long, device=runner.device)
+            # a width no bucket of rows has: torch.compile would otherwise take the two sizes for one symbol
+            # (duck sizing) and recompile at the first step where they differ
+            tables = torch.full((rows, 3), scratch, dtype=torch.long, device=runner.device)
+            # distinct tensors, as a step passes them (an aliasing guard would otherwise fail at the first step)
+            self.fn(runner.model, zeros, zeros.clone(), zeros + scratch * runner.block_size, tables, zeros + 1,
+                    runner.k_cache, runner.v_cache)
+        return time.perf_counter() - start
+
+    @staticmethod
+    def accepts(runner, items: list) -> bool:
+        """Every item one generated token of a paged request, nothing else asked of the step."""
+        return bool(items) and not runner.deterministic and runner.model.static_ready and all(
+            item.kind == "paged" and len(item.token_ids) == 1 and item.generated and not item.copies
+            and not item.report_all for item in items)
+
+    def run(self, items: list) -> dict:
+        """{request_id: hidden (hidden_size,)} of the reported items, as ``ModelRunner.step``."""
+        runner = self.runner
+        block_size, scratch = runner.block_size, runner.scratch_block
+        rows = bucket(len(items))
+        pad = rows - len(items)
+        contexts = [item.start + 1 for item in items]
+        width = max(MIN_WIDTH, bucket(max(-(-c // block_size) for c in contexts)))
+        tables = torch.full((rows, width), scratch, dtype=torch.long)
+        for r, (item, context) in enumerate(zip(items, contexts)):
+            used = item.tables[0][: -(-context // block_size)]
+            tables[r, :len(used)] = torch.tensor(used, dtype=torch.long).clamp(min=0)  # -1: outside the window
+        slots = [item.tables[0][item.start // block_size] * block_size + item.start % block_size for item in items]
+        device = runner.device
+
+        def tensor(values, fill):
+            return torch.tensor(values + [fill] * pad, dtype=torch.long, device=device)
+
+        tables = tables.to(device)
+        slots = tensor(slots, scratch * block_size)
+        hidden, routings, new_kv = self.fn(runner.model, tensor([item.token_ids[0] for item in items], 0),
+                                           tensor([item.start for item in items], 0), slots, tables,
+                                           tensor(contexts, 1), runner.k_cache, runner.v_cache)
+        for (k, v), k_cache, v_cache in zip(new_kv, runner.k_cache, runner.v_cache):
+            k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        real = len(items)
+        for (_, layer), routing in zip(runner.model.moe_layers(), routings):
+            layer.mlp.record(type(routing)(*(t[:real] for t in (routing.logits, routing.probs, routing.topk_idx,
+                                                                 routing.topk_weight))))
+        self.steps += 1
+        return {item.request_id: hidden[r] for r, item in enumerate(items) if item.report}

@@ -1,0 +1,177 @@
+"""The decode graph (padded buckets, fixed-shape layer stack, torch.compile) computes what the eager step computes:
+the same greedy tokens and the same logits, at every bucket boundary, for every family, with windows, sinks,
+shared experts and dense layers, under preemption and prefix hits; and steps it cannot run fall back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringmoe.model import MoETransformer, preset
+from ringmoe.serve import Engine, SamplingParams
+from ringmoe.serve.decode_graph import bucket
+
+FAMILIES = ["tiny", "gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "qwen3-moe-dense-tiny"]
+
+
+def _model(name: str, dtype=torch.float64, seed: int = 0) -> MoETransformer:
+    model = MoETransformer(preset(name))
+    model.init_weights(seed, std=0.2)  # large enough that the logits disagree wherever the computation does
+    return model.to(dtype)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (count,), generator=gen).tolist()
+    return [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _run(model, mode: str, prompts, new: int = 12, **engine_options):
+    engine = Engine(model, decode_graph=mode, return_logits=True, **engine_options)
+    logits: dict[str, list] = {}
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    finals = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            logits.setdefault(out.request_id, []).append(out.logits)
+            if out.finished:
+                finals[out.request_id] = out
+    order = sorted(finals, key=lambda rid: int(rid.split("-")[-1]) if rid.split("-")[-1].isdigit() else rid)
+    graph = engine.runner.decode_graph
+    engine.blocks.check_integrity()
+    return ([finals[r].output_ids for r in order], [torch.stack(logits[r]) for r in order],
+            graph.steps if graph is not None else 0, engine)
+
+
+def _assert_same(eager, graph, atol):
+    assert graph[0] == eager[0]  # greedy tokens
+    for a, b in zip(eager[1], graph[1]):
+        torch.testing.assert_close(b, a, rtol=0, atol=atol)
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_step_equals_eager_for_every_family(family):
+    """The fixed-shape step (eager): float64 logits equal the eager step's to 1e-10 (they are float32 on the
+    way out: the comparison is as tight as float32 allows), tokens equal; 1..5 requests cross the buckets
+    1, 2, 4, 8, and the gathered / dense expert forms."""
+    model = _model(family)
+    for count in (1, 2, 3, 4, 5):
+        prompts = _prompts(count, seed=count)
+        eager = _run(model, "off", prompts)
+        static = _run(model, "static", prompts)
+        assert static[2] > 0 and eager[2] == 0
+        _assert_same(eager, static, atol=1e-6)
+
+
+def test_grouped_experts_outside_the_graph_equal_eager():
+    """From ``dense_below`` tokens the experts run as sorted GEMMs outside the graph."""
+    model = _model("qwen2-moe-tiny")
+    for _, layer in model.moe_layers():
+        layer.mlp.dense_below = 2
+    prompts = _prompts(5, seed=11)
+    _assert_same(_run(model, "off", prompts), _run(model, "static", prompts), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["tiny", "gpt-oss-tiny"])
+def test_compiled_step_equals_eager_at_bucket_boundaries(family):
+    """torch.compile's graph (inductor): float32 greedy tokens equal, logits within float32 rounding; batch
+    sizes 1, 2, 3, 4 (a bucket's max) and 5 (max + 1); sliding windows and sinks (gpt-oss)."""
+    torch.manual_seed(0)
+    model = _model(family, torch.float32)
+    for count in (1, 2, 3, 4, 5):
+        prompts = _prompts(count, seed=20 + count)
+        eager = _run(model, "off", prompts, new=10)
+        compiled = _run(model, "compiled", prompts, new=10)
+        assert compiled[2] > 0
+        _assert_same(eager, compiled, atol=2e-4)
+
+
+def test_compiled_step_under_preemption_and_prefix_hits():
+    model = _model("tiny", torch.float32)
+    prompts = _prompts(6, seed=5)
+    tight = dict(kv_cache_tokens=96, block_size=8)
+    eager = _run(model, "off", prompts, new=16, **tight)
+    compiled = _run(model, "compiled", prompts, new=16, **tight)
+    assert compiled[3].num_preemptions > 0 and compiled[2] > 0
+    _assert_same(eager, compiled, atol=2e-4)
+    shared = [prompts[0] * 3 + p for p in prompts[1:4]]
+    engine = Engine(model, decode_graph="compiled", block_size=4)
+    first = engine.generate(shared, SamplingParams(temperature=0, max_tokens=8))
+    again = engine.generate(shared, SamplingParams(temperature=0, max_tokens=8))
+    assert engine.blocks.hit_tokens > 0
+    assert [o.output_ids for o in again] == [o.output_ids for o in first]
+    assert [o.output_ids for o in first] == [o.output_ids for o in Engine(model).generate(
+        shared, SamplingParams(temperature=0, max_tokens=8))]
+
+
+def test_steps_the_graph_cannot_run_take_the_eager_path():
+    """Latent attention (MLA), a capacity, the deterministic mode, sampled and penalised requests mixed in:
+    the same tokens as the eager engine; only plain decode-only steps go through the graph."""
+    mla = _model("deepseek-v3-tiny")
+    prompts = _prompts(3, seed=2)
+    assert _run(mla, "static", prompts)[2] == 0
+    assert not mla.static_ready
+    deterministic = Engine(_model("tiny"), decode_graph="static", deterministic=True)
+    deterministic.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
+    assert deterministic.runner.decode_graph.steps == 0
+    model = _model("tiny")
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=9, top_p=0.9),
+              SamplingParams(temperature=0, max_tokens=9, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=9, min_tokens=3)]
+    eager = Engine(model).generate(prompts, params)
+    engine = Engine(model, decode_graph="static")
+    static = engine.generate(prompts, params)
+    assert engine.runner.decode_graph.steps > 0
+    assert [o.output_ids for o in static] == [o.output_ids for o in eager]
+    assert [[c.token for c in o.logprobs] for o in static] == [[c.token for c in o.logprobs] for o in eager]
+
+
+def test_moe_statistics_count_the_real_rows_only():
+    """Padding rows never reach the expert counts: one decode (padded to 1) and three (padded to 4)."""
+    model = _model("tiny")
+    engine = Engine(model, decode_graph="static")
+    for prompt in _prompts(3, seed=9):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+        stats = engine.last_stats
+        if engine.runner.decode_graph.steps and stats.batch_tokens == stats.num_sequences:
+            assert sum(stats.tokens_per_expert) == stats.num_sequences * model.config.top_k * len(model.moe_layers())
+
+
+def test_bad_decode_graph_mode_is_refused():
+    with pytest.raises(ValueError, match="decode_graph"):
+        Engine(_model("tiny"), decode_graph="fast")
+
+
+def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_checkpoint):
+    """`ringmoe serve` compiles by default (the test servers pass --enforce-eager): greedy answers, streamed
+    and whole, batched by concurrent clients, are the eager server's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..served import MODEL, Server
+
+    prompts = ["def add(a, b):", "The quick brown", "naïve café", "print('hello"]
+    answers = []
+    for compiled in (False, True):
+        server = Server(served_checkpoint, compiled=compiled)
+        try:
+            assert ("decode step compiled" in server.stderr()) == compiled
+            def ask(prompt, server=server):
+                return server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                        extra_body={"ignore_eos": True}).choices[0].text
+            with ThreadPoolExecutor(4) as pool:
+                texts = list(pool.map(ask, prompts))
+            streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+                model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+            answers.append((texts, streamed))
+        finally:
+            server.stop()
+    assert answers[1] == answers[0]
+    assert answers[0][1] == answers[0][0][0]
