@@ -7,13 +7,16 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
 - the batch is padded to a bucket size (1, 2, 4, 8, ... ``max_num_seqs``) and each row's block table to a
   power-of-two width, so the graph meets a handful of shapes; padding rows decode token 0 at position 0
   into the runner's scratch block (a block the block manager never hands out) and are dropped after;
-- the K/V writes (``index_copy_`` at each row's slot) and the paged attention (``paged_decode``: blocks
-  gathered by table, keys past a row's context masked) are tensor ops inside the graph, as are the
-  router and the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack;
-  the routing of the real rows comes out of the graph and becomes the MoE statistics once per step;
-- torch.compile (inductor; on a GPU ``mode="reduce-overhead"`` records CUDA graphs) specialises the
-  batch bucket and treats the table width as dynamic; inductor keeps its compiled code in its on-disk
-  cache, so a restart of the server recompiles quickly.
+- the paged attention (``paged_decode``: blocks gathered by table, keys past a row's context masked, the
+  row's own new key merged by the online softmax) is tensor ops inside the graph, as are the router and
+  the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph
+  only reads the cache: every layer's new K/V and the routing of the rows come out of it, and after it the
+  K/V are written at each row's slot (``index_copy_``) and the routing of the real rows becomes the MoE
+  statistics, once per step;
+- torch.compile (inductor; on a GPU ``mode="reduce-overhead"`` records CUDA graphs) treats the batch and
+  the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
+  (``MoELayer.forward_static``), all compiled at start-up (``warm_up``); inductor keeps its compiled code
+  in its on-disk cache, so a restart of the server recompiles quickly.
 
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
 mode, meshes (cp or ep > 1), latent attention and capacity-bounded experts take the eager path

@@ -57,7 +57,7 @@ class ServeOptions:
     threads: int | None = None  # intra-op threads per rank; default: the cores less one for HTTP, shared out
     limits: ServerLimits = field(default_factory=ServerLimits)
     api_key: str | None = None  # every /v1 route then needs Authorization: Bearer <api_key>
-    tool_call_parser: str | None = None  # "hermes" | "deepseek_v3" | "none"; default: from the model type
+    tool_call_parser: str | None = None  # "hermes" | "deepseek_v3" | "harmony" | "none"; default: from the model type
     json_any_whitespace: bool = False  # JSON grammars may put whitespace between tokens
     allowed_origins: tuple[str, ...] = ()  # CORS (none by default)
 
