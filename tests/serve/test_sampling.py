@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ringmoe.serve.sampling import SamplingParams, next_token, penalized, truncated_probs
+from ringmoe.serve.sampling import SamplingParams, next_token, penalized, plain_batch, truncated_probs
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
@@ -127,3 +127,25 @@ def test_non_finite_logits_raise_their_own_error_and_minus_inf_is_a_legal_logit(
     logits = LOGITS.clone()
     logits[0] = float("-inf")
     assert next_token(logits, SamplingParams(temperature=0), [], [], None).token == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_plain_batch_picks_what_each_row_picks_alone(seed):
+    """Greedy, temperature, min-p and top-k rows (and one with NaN logits) sampled together: every row's token
+    and logprob equal ``next_token``'s for the same generator state, draw after draw."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 301
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=0.9, top_k=40, min_p=0.01),
+              SamplingParams(temperature=2.0, top_k=vocab + 10), SamplingParams(temperature=0.5)]
+    assert all(p.plain for p in params) and not SamplingParams(top_p=0.9).plain
+    alone = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
+    together = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
+    for _ in range(20):
+        logits = torch.randn(len(params), vocab, generator=gen) * 3
+        logits[-1, 7] = float("nan")
+        batch = plain_batch(logits, params, together)
+        assert batch[-1] is None  # its request alone ends with an error (next_token raises)
+        for row, (p, choice) in enumerate(zip(params[:-1], batch)):
+            single = next_token(logits[row], p, [1, 2], [3], alone[row])
+            assert (choice.token, choice.logprob) == (single.token, single.logprob)

@@ -42,7 +42,7 @@ from .kv_cache import BlockManager
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
 from .runner import ModelRunner, WorkItem
-from .sampling import SamplingParams, TokenChoice, greedy_batch, next_token, prompt_choices
+from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
 from .structured import grammar_masks
 
@@ -301,7 +301,7 @@ class Engine:
             with torch.no_grad(), self._invariance():
                 logits = self.model.lm_head(hidden.to(self.runner.device)).float()
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
-            chosen = self._greedy_rows(due, logits, masks)
+            chosen = self._plain_rows(due, logits, masks)
             outputs += [out for i, (r, row, mask) in enumerate(zip(due, logits, masks))
                         for out in self._advance(r, row, mask, chosen.get(i))]
         for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
@@ -378,13 +378,15 @@ class Engine:
             dist.broadcast_object_list([None], src=0)
 
     @staticmethod
-    def _greedy_rows(due: list[Request], logits: torch.Tensor, masks: list) -> dict[int, TokenChoice]:
-        """The tokens of the plain greedy rows (no grammar, nothing banned), chosen together: {row: choice}."""
-        rows = [i for i, (r, mask) in enumerate(zip(due, masks)) if mask is None and r.params.plain_greedy
+    def _plain_rows(due: list[Request], logits: torch.Tensor, masks: list) -> dict[int, TokenChoice]:
+        """The tokens of the plain rows (``SamplingParams.plain``, no grammar, nothing banned), chosen
+        together: {row: choice}."""
+        rows = [i for i, (r, mask) in enumerate(zip(due, masks)) if mask is None and r.params.plain
                 and r.params.n == 1 and len(r.output_ids) >= r.params.min_tokens]
         if not rows:
             return {}
-        choices = greedy_batch(logits[rows] if len(rows) < len(due) else logits)
+        choices = plain_batch(logits[rows] if len(rows) < len(due) else logits, [due[i].params for i in rows],
+                              [due[i].generator for i in rows])
         return {i: c for i, c in zip(rows, choices) if c is not None}
 
     def _advance(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "next_token", "greedy_batch", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits",
+__all__ = ["SamplingParams", "next_token", "plain_batch", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits",
            "prompt_choices"]
 
 MAX_LOGPROBS = 20
@@ -124,10 +124,11 @@ class SamplingParams:
             _number("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
 
     @property
-    def plain_greedy(self) -> bool:
-        """The argmax of the raw logits, nothing else: no penalty, no bias, no top logprobs (``greedy_batch``)."""
-        return (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and not self.logit_bias and not self.logprobs)
+    def plain(self) -> bool:
+        """Greedy, or temperature with min-p / top-k, and nothing else: no penalty, no bias, no top-p, no top
+        logprobs (rows that ``plain_batch`` picks together)."""
+        return (self.repetition_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
+                and not self.logit_bias and not self.logprobs and (self.greedy or self.top_p >= 1.0))
 
     @property
     def greedy(self) -> bool:
@@ -213,17 +214,37 @@ def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
     return choice
 
 
-def greedy_batch(logits: torch.Tensor) -> list[TokenChoice | None]:
-    """``next_token`` for rows of plain greedy requests (no penalty, bias, banned token, grammar or top
-    logprobs: ``SamplingParams.plain_greedy``) in a few batched ops: logits (B, V) -> a choice per row, the
-    same as ``next_token`` gives it, or None for a row with NaN or +inf logits (``next_token`` then raises
-    for that request alone)."""
+def plain_batch(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[TokenChoice | None]:
+    """``next_token`` for the rows of ``SamplingParams.plain`` requests (nothing banned, no grammar), the
+    batch's arithmetic done together: logits (B, V) -> a choice per row, the one ``next_token`` gives it,
+    or None for a row with NaN or +inf logits (``next_token`` then raises for that request alone).
+
+    Softmax, the min-p and top-k masks run on the whole batch (row by row they are the same operations);
+    each sampled row's renormalisation and draw stay per row, from its own generator, so a seeded request
+    draws what it would alone."""
     logits = logits.float()
-    finite = ~(torch.isnan(logits).any(dim=1) | torch.isposinf(logits).any(dim=1))
-    tokens = torch.argmax(logits, dim=1)
-    logprobs = torch.log_softmax(logits, dim=1).gather(1, tokens[:, None])[:, 0]
-    return [TokenChoice(t, lp) if ok else None
-            for t, lp, ok in zip(tokens.tolist(), logprobs.tolist(), finite.tolist())]
+    finite = (~(torch.isnan(logits).any(dim=1) | torch.isposinf(logits).any(dim=1))).tolist()
+    raw_logprobs = torch.log_softmax(logits, dim=1)
+    tokens = torch.argmax(logits, dim=1).tolist()
+    sampled = [r for r, p in enumerate(params) if not p.greedy and finite[r]]
+    if sampled:
+        chosen = params if len(sampled) == len(params) else [params[r] for r in sampled]
+        rows = logits[sampled] if len(sampled) < len(params) else logits
+        temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32)[:, None]
+        probs = torch.softmax(rows / temperature, dim=-1)
+        keep = probs >= torch.tensor([p.min_p for p in chosen])[:, None] * probs.amax(dim=1, keepdim=True)
+        top_k = [p.top_k if 0 < p.top_k < probs.shape[1] else 0 for p in chosen]  # 0: no cut
+        if any(top_k):  # the k-th largest probability of each row that cuts (0 for the others: keeps all)
+            best = torch.topk(probs, max(top_k), dim=1).values
+            kth = best.gather(1, (torch.tensor(top_k).clamp(min=1) - 1)[:, None])
+            keep &= probs >= torch.where(torch.tensor(top_k)[:, None] > 0, kth, torch.zeros_like(kth))
+        probs = probs.masked_fill(~keep, 0.0)
+        for row, r in enumerate(sampled):
+            p = probs[row] / probs[row].sum()
+            tokens[r] = int(torch.multinomial(p, 1, generator=generators[r]))
+    choices = raw_logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    return [TokenChoice(t, lp) if ok else None for t, lp, ok in zip(tokens, choices, finite)]
 
 
 def prompt_choices(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenChoice]:
