@@ -93,8 +93,9 @@ def host_share(engine: Engine, steps: int) -> float:
     return max(0.0, 1.0 - compute / wall)
 
 
-def measure(model: MoETransformer, batch: int, steps: int, mode: str) -> dict:
-    engine = Engine(model, kv_cache_tokens=batch * (PROMPT + 3 * steps + 32) + 256, max_num_seqs=max(64, batch),
+def measure(model: MoETransformer, batch: int, steps: int, mode: str, max_num_seqs: int = 64) -> dict:
+    engine = Engine(model, kv_cache_tokens=batch * (PROMPT + 3 * steps + 32) + 256,
+                    max_num_seqs=max(max_num_seqs, batch),
                     max_num_batched_tokens=max(2048, batch * PROMPT), decode_graph=mode)
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)

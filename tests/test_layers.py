@@ -1,6 +1,6 @@
 """The house's shape, read from the code's own import statements: folders are layers and imports only go down.
 
-Layers, low to high: root utilities (batch_invariant, resources, jsonio) < attention < parallel < moe < model
+Layers, low to high: root utilities (batch_invariant, resources, jsonio) < attention | quant < parallel < moe < model
 < text < serve | train | sim (one floor: none imports another) < apps < cli.  No module imports one that
 imports it (cycles, function-local imports included), and no function hides an import of the package
 inside itself, except where laziness is the point: the CLI loads a command's job only when it runs, and
@@ -15,7 +15,7 @@ from pathlib import Path
 import ringmoe
 
 ROOT = Path(ringmoe.__file__).resolve().parent
-LAYERS = {"attention": 1, "parallel": 2, "moe": 3, "model": 4, "text": 5, "serve": 6, "train": 6, "sim": 6,
+LAYERS = {"attention": 1, "quant": 1, "parallel": 2, "moe": 3, "model": 4, "text": 5, "serve": 6, "train": 6, "sim": 6,
           "apps": 7, "cli": 8}
 LAZY_ALLOWED = {"ringmoe.cli": None,                                                # every command's job
                 "ringmoe.attention.kernels": {"ringmoe.attention.triton_flash"},     # optional Triton

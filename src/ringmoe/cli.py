@@ -199,6 +199,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-model-len", type=_positive, default=None, help="prompt + output limit")
     serve.add_argument("--max-waiting", type=_positive, default=1024, help="waiting requests before 429")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    serve.add_argument("--quantization", default=None, choices=["fp8", "mxfp4"],
+                       help="quantize a float checkpoint's weights once loaded: fp8 (e4m3, 128x128 blocks, every "
+                       "projection) or mxfp4 (the experts); a checkpoint that ships quantized needs no flag")
     serve.add_argument("--deterministic", action="store_true", help="bitwise-reproducible tokens whatever the batch")
     serve.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (default: one rank "
                        "compiles its decode step with torch.compile at start-up, ~10-40 s on a CPU)")
@@ -399,7 +402,7 @@ def _serve(args) -> int:
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                            deterministic=args.deterministic, enforce_eager=args.enforce_eager, dtype=args.dtype,
-                           threads=args.threads,
+                           quantization=args.quantization, threads=args.threads,
                            limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),
                            api_key=args.api_key if args.api_key is not None else os.environ.get("RINGMOE_API_KEY"),
                            tool_call_parser=args.tool_call_parser, json_any_whitespace=args.json_any_whitespace,

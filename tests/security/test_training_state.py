@@ -112,14 +112,18 @@ def test_saving_the_same_step_again_replaces_it_only_once_the_new_copy_is_comple
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
 
 
-def _save_forever(trainer, out):
-    """What `ringmoe train --resume --save-every 1` does, killed at any moment by the parent."""
+def _save_forever(trainer, out, steps_per_life):
+    """What `ringmoe train --resume --save-every 1` does, killed at any moment by the parent.
+
+    Each life trains at most ``steps_per_life`` steps past the resumed one, so the kills land at many different
+    steps whatever the machine's speed; then it saves the same step again and again (the replace-aside path)."""
     torch.set_num_threads(1)
     resume(trainer, out)
-    while trainer.step_count < SETTINGS.steps:
+    last = min(SETTINGS.steps, trainer.step_count + steps_per_life)
+    while trainer.step_count < last:
         trainer.step()
         save(trainer, out)
-    while True:  # then the same step again and again: the replace-aside path
+    while True:
         save(trainer, out)
 
 
@@ -133,7 +137,7 @@ def test_sigkill_at_random_points_of_saves_always_resumes_from_the_last_complete
     ctx = mp.get_context("fork")
     seen_steps, previous = set(), 0
     for attempt in range(20):
-        child = ctx.Process(target=_save_forever, args=(_trainer(), tmp_path), daemon=True)
+        child = ctx.Process(target=_save_forever, args=(_trainer(), tmp_path, 2), daemon=True)
         forker = threading.Thread(target=child.start)  # fork from a thread that never ran an OpenMP region
         forker.start()
         forker.join()
@@ -154,7 +158,7 @@ def test_sigkill_at_random_points_of_saves_always_resumes_from_the_last_complete
         assert all(torch.equal(fresh.model.state_dict()[k], states[step][k]) for k in states[step])
         seen_steps.add(step)
         previous = step
-    assert len(seen_steps) >= 3  # the kills landed at different points
+    assert len(seen_steps) >= 3, seen_steps  # the kills landed at different steps
 
 
 def test_the_cli_refuses_a_dangling_latest_before_starting(tmp_path):

@@ -13,26 +13,21 @@ touched).  Pickled ``.bin`` checkpoints are refused: they can run code.
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from ..jsonio import read_json
 from ..parallel.mesh import Mesh
+from .checkpoint_names import EXPERT, FUSED, ROLE, expect_shape, ringmoe_name
 from .config import ModelConfig, config_from_hf
+from .quantize import quantize_model, requested_scheme
+from .quantized_loading import QuantizedReader, build_quantized, plan_quantized
 from .transformer import MoETransformer
 
 __all__ = ["load_config", "load_checkpoint", "load_weights", "check_checkpoint", "LoadReport"]
-
-_MOE = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
-_ROUTER = re.compile(_MOE + r"gate\.weight$")
-_EXPERT = re.compile(_MOE + r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(_MOE + r"experts\.(gate_up_proj|down_proj)(_bias)?$")
-_SHARED = re.compile(_MOE + r"shared_experts?(_gate)?\.")
-_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-
 
 @dataclass
 class LoadReport:
@@ -110,18 +105,15 @@ _QUANTIZATION_SUFFIXES = ("weight_scale_inv", "weight_scale", "_scales", "_block
 
 
 def _check_float(name: str, dtype: str, file: Path) -> None:
+    """Refuse a tensor read as a float weight that is not one (quantized tensors go through quantized_loading,
+    and only where config.json's quantization_config says the checkpoint is quantized)."""
     if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"checkpoint tensor {name!r} in {str(file)!r} is {dtype}: a quantized checkpoint, which "
-                         f"ringmoe does not load (it reads {', '.join(_FLOAT_DTYPES)} weights)")
+        raise ValueError(f"checkpoint tensor {name!r} in {str(file)!r} is {dtype}: a quantized checkpoint tensor "
+                         f"that config.json's quantization_config does not describe (ringmoe loads fp8 block-wise "
+                         f"and mxfp4 checkpoints with theirs; other weights must be {', '.join(_FLOAT_DTYPES)})")
     if name.endswith(_QUANTIZATION_SUFFIXES):
-        raise ValueError(f"checkpoint tensor {name!r} in {str(file)!r} is a quantization scale: a quantized "
-                         f"checkpoint, which ringmoe does not load")
-
-
-def _expect_shape(name: str, tensor: torch.Tensor, shape) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
-                         f"{tuple(shape)}")
+        raise ValueError(f"checkpoint tensor {name!r} in {str(file)!r} is a quantization scale that belongs to no "
+                         f"quantized weight: a quantized checkpoint tensor config.json does not describe")
 
 
 class _Reader:
@@ -130,13 +122,18 @@ class _Reader:
     def __init__(self, files: dict[str, Path], handles: dict, dry_run: bool, report: LoadReport):
         self.files, self.handles, self.dry_run, self.report = files, handles, dry_run, report
 
+    def has(self, name: str) -> bool:
+        return name in self.files
+
     def dtype(self, name: str) -> str:
         return self.handles[self.files[name]].get_slice(name).get_dtype()
 
-    def __call__(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor ``name`` (its slice ``index`` along the first dim: one expert of a fused tensor)."""
+    def __call__(self, name: str, index: int | None = None, raw: bool = False) -> torch.Tensor:
+        """Tensor ``name`` (its slice ``index`` along the first dim: one expert of a fused tensor); a float
+        weight unless ``raw`` (quantized codes and scales, read as stored)."""
         handle = self.handles[self.files[name]]
-        _check_float(name, self.dtype(name), self.files[name])
+        if not raw:
+            _check_float(name, self.dtype(name), self.files[name])
         if self.dry_run:
             shape = handle.get_slice(name).get_shape()
             if index is not None:
@@ -153,17 +150,6 @@ class _Reader:
         return tensor
 
 
-def _ringmoe_name(name: str) -> str:
-    """A checkpoint tensor's name in ringmoe's module tree (routers, shared experts renamed; experts as they are)."""
-    short = name.removeprefix("model.")
-    if (m := _ROUTER.search(short)) is not None:
-        short = f"layers.{m.group(1)}.mlp.router.weight"
-    if _SHARED.search(short) is not None:  # Qwen2-MoE's shared expert and its gate, DeepSeek's shared experts
-        short = (short.replace("shared_expert_gate.", "shared.gate.").replace("shared_experts.", "shared.")
-                 .replace("shared_expert.", "shared."))
-    return short
-
-
 def _layer_of(model: MoETransformer, name: str, number: int):
     if not 0 <= number < model.config.num_layers:
         raise ValueError(f"checkpoint tensor {name!r} belongs to layer {number}, but config.json has "
@@ -172,24 +158,28 @@ def _layer_of(model: MoETransformer, name: str, number: int):
 
 
 def _stack_experts(model: MoETransformer, experts: dict, dry_run: bool) -> set[str]:
-    """Copy each MoE layer's local experts (collected per (layer, role) and expert) into its stacked weights;
-    the parameter names filled."""
+    """Copy each MoE layer's local experts (collected per (layer, role) and expert) into its stacked weights
+    (only the biases where the experts are quantized: their codes are read by quantized_loading); the
+    parameter names filled."""
     config, filled = model.config, set()
-    roles = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if config.expert_bias else ())
     for index, layer in model.moe_layers():
+        mine = layer.mlp.experts
+        quantized = not isinstance(mine.gate_up, nn.Parameter)
+        roles = (() if quantized else ("gate", "up", "down")) + (
+            ("gate_bias", "up_bias", "down_bias") if config.expert_bias else ())
         try:
             stacked = {role: torch.stack([experts[(index, role)][e] for e in layer.mlp.slot_experts])
                        for role in roles}
         except KeyError as missing:
             raise ValueError(f"checkpoint lacks the weights of layer {index}'s expert {missing}") from None
         if not dry_run:
-            mine = layer.mlp.experts
-            mine.gate_up.copy_(torch.cat([stacked["gate"], stacked["up"]], dim=1))
-            mine.down.copy_(stacked["down"])
+            if not quantized:
+                mine.gate_up.copy_(torch.cat([stacked["gate"], stacked["up"]], dim=1))
+                mine.down.copy_(stacked["down"])
             if config.expert_bias:
                 mine.gate_up_bias.copy_(torch.cat([stacked["gate_bias"], stacked["up_bias"]], dim=1))
                 mine.down_bias.copy_(stacked["down_bias"])
-        filled.update(f"layers.{index}.mlp.experts.{p}" for p, _ in layer.mlp.experts.named_parameters())
+        filled.update(f"layers.{index}.mlp.experts.{p}" for p, _ in mine.named_parameters())
     return filled
 
 
@@ -207,38 +197,48 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
     h, f = config.hidden_size, config.ffn_size
     report, filled = LoadReport(), set()
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, gate|up|down) -> expert -> weight
+    quantized = None
     with contextlib.ExitStack() as stack:
         read = _Reader(files, {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())},
                        dry_run, report)
+        if config.quantization is not None:
+            plan = plan_quantized(config.quantization, {name: read.dtype(name) for name in files})
+            build_quantized(model, plan)
+            quantized = QuantizedReader(model, plan, dry_run)
+            params, expert_params = dict(model.named_parameters()), model.expert_parameters()
         for name in files:
+            if quantized is not None and quantized.take(name, read):
+                continue
             if name.endswith(_QUANTIZATION_SUFFIXES):
                 _check_float(name, read.dtype(name), files[name])
-            short = _ringmoe_name(name)
+            short = ringmoe_name(name)
             if short.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's selection bias (a buffer)
                 bias = read(name)
-                _expect_shape(name, bias, (config.num_experts,))
+                expect_shape(name, bias, (config.num_experts,))
                 if not dry_run:
                     _layer_of(model, name, int(short.split(".")[1])).mlp.router.correction_bias.copy_(bias.float())
-            elif (m := _EXPERT.search(short)) is not None:
-                layer, expert, kind = int(m.group(1)), int(m.group(2)), _ROLE[m.group(3)]
+            elif (m := EXPERT.search(short)) is not None:
+                layer, expert, kind = int(m.group(1)), int(m.group(2)), ROLE[m.group(3)]
                 if expert in _layer_of(model, name, layer).mlp.slot_experts:
                     weight = read(name)
-                    _expect_shape(name, weight, (h, f) if kind == "down" else (f, h))
+                    expect_shape(name, weight, (h, f) if kind == "down" else (f, h))
                     experts.setdefault((layer, kind), {})[expert] = weight
-            elif (m := _FUSED.search(short)) is not None:
+            elif (m := FUSED.search(short)) is not None:
                 layer, kind, bias = int(m.group(1)), m.group(2), m.group(3) is not None
                 for expert in _layer_of(model, name, layer).mlp.slot_experts:
                     for role, part in _fused_parts(config, f"{name}[{expert}]", read(name, expert), kind, bias):
                         experts.setdefault((layer, role), {})[expert] = part
             elif short in params and short not in expert_params:
                 weight = read(name)
-                _expect_shape(name, weight, params[short].shape)
+                expect_shape(name, weight, params[short].shape)
                 if not dry_run:
                     params[short].copy_(weight)
                 filled.add(short)
     if config.tie_word_embeddings:
         filled.add("lm_head.weight")
     filled |= _stack_experts(model, experts, dry_run)
+    if quantized is not None:
+        quantized.check_complete()
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -256,32 +256,52 @@ def _fused_parts(config: ModelConfig, name: str, tensor: torch.Tensor, kind: str
     gpt_oss = config.arch == "gpt_oss"
     if kind == "down_proj":
         if bias:
-            _expect_shape(name, tensor, (h,))
+            expect_shape(name, tensor, (h,))
             return [("down_bias", tensor)]
-        _expect_shape(name, tensor, (f, h) if gpt_oss else (h, f))
+        expect_shape(name, tensor, (f, h) if gpt_oss else (h, f))
         return [("down", tensor.t() if gpt_oss else tensor)]
     if bias:
-        _expect_shape(name, tensor, (2 * f,))
+        expect_shape(name, tensor, (2 * f,))
         return [("gate_bias", tensor[0::2]), ("up_bias", tensor[1::2])]
     if gpt_oss:
-        _expect_shape(name, tensor, (h, 2 * f))
+        expect_shape(name, tensor, (h, 2 * f))
         return [("gate", tensor[:, 0::2].t()), ("up", tensor[:, 1::2].t())]
-    _expect_shape(name, tensor, (2 * f, h))
+    expect_shape(name, tensor, (2 * f, h))
     gate, up = tensor.chunk(2, dim=0)
     return [("gate", gate), ("up", up)]
 
 
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, layout: str = "zigzag", backend: str = "auto",
                     dtype: torch.dtype | None = None, capacity_factor: float | None = None,
-                    overlap_chunks: int = 1) -> MoETransformer:
+                    overlap_chunks: int = 1, quantization: str | None = None) -> MoETransformer:
     """Build the model a checkpoint directory describes on ``mesh`` and load its weights.
 
     dtype: parameters' dtype (default: the default dtype).  capacity_factor, overlap_chunks: the
     runtime fields of ``ModelConfig``.  The result's logits equal transformers' model of the same checkpoint.
+    quantization: "fp8" or "mxfp4" quantizes a float checkpoint once loaded (``quantize_model``; the float
+    weights exist until then); a checkpoint that ships quantized loads as it is (the same method, else ValueError).
     """
     config = load_config(path).replace(capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
-    model = MoETransformer(config, mesh, layout, backend)
+    scheme = requested_scheme(config, quantization)
+    if config.quantization is None:
+        model = MoETransformer(config, mesh, layout, backend)
+    else:
+        # built without memory, the quantized modules swapped in, then allocated: the float form of the
+        # quantized weights never exists.  Every buffer of the model is zero at init (routers' selection bias).
+        files = _tensor_files(Path(path))
+        with contextlib.ExitStack() as stack:
+            handles = {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())}
+            plan = plan_quantized(config.quantization,
+                                  {name: handles[file].get_slice(name).get_dtype() for name, file in files.items()})
+        with torch.device("meta"):
+            model = MoETransformer(config, mesh, layout, backend)
+            build_quantized(model, plan)
+        model = model.to_empty(device=torch.get_default_device())
+        for buffer in model.buffers():
+            buffer.zero_()
     if dtype is not None:
         model = model.to(dtype)
     model.load_report = load_weights(model, path)  # what this rank read
+    if scheme is not None:
+        quantize_model(model, scheme)
     return model

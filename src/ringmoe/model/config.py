@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..moe.layer import check_capacity_factor
+from ..quant import QuantScheme, scheme_from_hf
 from .rope import check_rope_scaling
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "config_from_hf"]
@@ -86,6 +87,7 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    quantization: QuantScheme | None = None
 
     @property
     def mla(self) -> bool:
@@ -170,6 +172,21 @@ class ModelConfig:
         return (self.num_layers * common + (self.num_layers - dense) * moe + dense * layer["dense_mlp"]
                 + embeddings + self.hidden_size)  # + the final norm
 
+    def weight_bytes(self, experts_per_layer: int, width: int) -> float:
+        """Resident bytes of the weights of a rank holding ``experts_per_layer`` experts per MoE layer: float
+        parts at ``width`` bytes a value, quantized parts at the scheme's bytes with their scales (mxfp4: the
+        routed experts; fp8: every projection of attention, experts, shared experts and dense MLPs; the
+        embeddings, head, norms and routers stay float in both, as the published checkpoints keep them)."""
+        total = self.params_with_experts(experts_per_layer)
+        if self.quantization is None:
+            return total * width
+        layer, dense = self.params_per_layer, len(self.dense_layers)
+        quantized = (self.num_layers - dense) * experts_per_layer * layer["expert"]
+        if self.quantization.method == "fp8":
+            quantized += (self.num_layers * layer["attention"] + (self.num_layers - dense) * layer["shared"]
+                          + dense * layer["dense_mlp"])
+        return (total - quantized) * width + quantized * self.quantization.bytes_per_value()
+
     @property
     def num_params(self) -> int:
         return self.params_with_experts(self.num_experts)
@@ -222,6 +239,13 @@ PRESETS: dict[str, ModelConfig] = {
                                     top_k=6, router="sigmoid_bias", routed_scaling_factor=1.0, shared_ffn_size=2816,
                                     dense_layers=(0,), dense_ffn_size=10944, kv_lora_rank=512, q_lora_rank=None,
                                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    # DeepSeek-V3 (671B) as it ships: fp8 e4m3 with 128 x 128 block scales (`ringmoe simulate` sizes its mesh)
+    "deepseek-v3": ModelConfig(arch="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+                               num_kv_heads=128, head_dim=192, ffn_size=2048, num_experts=256, top_k=8,
+                               router="sigmoid_bias", routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                               shared_ffn_size=2048, dense_layers=(0, 1, 2), dense_ffn_size=18432, kv_lora_rank=512,
+                               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                               rope_theta=1e4, quantization=QuantScheme("fp8")),
     "qwen3-30b-a3b": ModelConfig(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                                  num_kv_heads=4, head_dim=128, ffn_size=768, num_experts=128, top_k=8,
                                  normalize_topk=True, qk_norm=True, rope_theta=1e6, rms_eps=1e-6),
@@ -334,17 +358,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
     """A ModelConfig from a transformers config.json dict.
 
     Families: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, gpt-oss and DeepSeek-V3 (``_FAMILIES``).  Raises ValueError for
-    what this model does not implement (quantized weights, partial rotary, dynamic or longrope scaling, OLMoE's
+    what this model does not implement (quantization methods other than fp8 block-wise and mxfp4, partial rotary, dynamic or longrope scaling, OLMoE's
     clip_qkv, ...).
     """
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"config.json model_type must be one of {ARCHITECTURES}, got {model_type!r}")
     quantization = hf.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported: ringmoe loads float16, "
-                         f"bfloat16 and float32 weights only")
+    scheme = scheme_from_hf(quantization) if quantization else None
     theta, scaling = _rope(hf)
     if scaling and dict(scaling)["rope_type"] not in ("linear", "yarn", "llama3"):
         raise ValueError(f"RoPE scaling {dict(scaling)['rope_type']!r} is not supported (linear, yarn, llama3 are)")
@@ -358,6 +379,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, top_k=hf["num_experts_per_tok"],
         rope_theta=theta, rope_scaling=scaling, rms_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
-        layer_types=layer_types,
+        layer_types=layer_types, quantization=scheme,
     )
     return ModelConfig(**{**common, **_FAMILIES[model_type](hf)})

@@ -4,7 +4,9 @@ The inverse of ``checkpoint.load_checkpoint`` for one process holding every expe
 written as ``save_pretrained`` writes them (per expert: ``block_sparse_moe.experts.{e}.w1/w2/w3`` for
 Mixtral, ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` for Qwen3-MoE, Qwen2-MoE and OLMoE; fused for
 gpt-oss: ``experts.gate_up_proj`` (E, H, 2F) with gate and up interleaved, ``down_proj`` (E, F, H) and
-their biases), so transformers' *ForCausalLM of the family loads the folder as is.
+their biases), so transformers' *ForCausalLM of the family loads the folder as is.  A model loaded from a
+quantized checkpoint is written in its format (fp8 codes with ``weight_scale_inv``; mxfp4 ``*_blocks`` and
+``*_scales``) with its ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..moe.quantized_experts import QuantizedSwiGLUExperts
+from ..quant import QuantizedLinear, QuantizedWeight
 from .config import ModelConfig
 from .transformer import MoETransformer
 
@@ -90,8 +94,44 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
 
 
+def _fp8(name: str, weight: QuantizedWeight, index: int | None = None) -> dict[str, torch.Tensor]:
+    """An fp8 weight as the checkpoint stores it: ``name`` the e4m3 codes, ``name``_scale_inv the block scales."""
+    codes, scales = (weight.codes, weight.scales) if index is None else (weight.codes[index], weight.scales[index])
+    return {name: codes.view(torch.float8_e4m3fn), f"{name}_scale_inv": scales.view(torch.float32)}
+
+
+def _linear(name: str, module) -> dict[str, torch.Tensor]:
+    """A linear layer's weight ``name``: float, or its fp8 codes and scales."""
+    return _fp8(name, module.weight_q) if isinstance(module, QuantizedLinear) else {name: module.weight}
+
+
+def _quantized_expert_tensors(config: ModelConfig, prefix: str, experts) -> dict[str, torch.Tensor]:
+    """Quantized experts kept in their format: fp8 per expert with block scales; mxfp4 fused as gpt-oss ships
+    them (``gate_up_proj_blocks/_scales`` with gate and up rows interleaved, ``down_proj_blocks/_scales``)."""
+    out = {}
+    if experts.scheme.method == "mxfp4":
+        for kind, (gate, up) in (("blocks", (experts.gate_q.codes, experts.up_q.codes)),
+                                 ("scales", (experts.gate_q.scales, experts.up_q.scales))):
+            out[f"{prefix}.experts.gate_up_proj_{kind}"] = _interleave(gate, up, 1)
+        out[f"{prefix}.experts.down_proj_blocks"] = experts.down_q.codes
+        out[f"{prefix}.experts.down_proj_scales"] = experts.down_q.scales
+    else:
+        names = ("w1", "w3", "w2") if config.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for e in range(config.num_experts):
+            for role, weight in zip(names, (experts.gate_q, experts.up_q, experts.down_q)):
+                out.update(_fp8(f"{prefix}.experts.{e}.{role}.weight", weight, e))
+    if experts.gate_up_bias is not None:
+        f = config.ffn_size
+        bias = experts.gate_up_bias
+        out[f"{prefix}.experts.gate_up_proj_bias"] = _interleave(bias[:, :f], bias[:, f:], 1)
+        out[f"{prefix}.experts.down_proj_bias"] = experts.down_bias
+    return out
+
+
 def _expert_tensors(config: ModelConfig, prefix: str, experts) -> dict[str, torch.Tensor]:
     """One MoE layer's experts in the family's checkpoint names and layouts."""
+    if isinstance(experts, QuantizedSwiGLUExperts):
+        return _quantized_expert_tensors(config, prefix, experts)
     f = config.ffn_size
     gate, up, down = experts.gate_up[:, :f], experts.gate_up[:, f:], experts.down
     if config.arch == "gpt_oss":
@@ -120,6 +160,12 @@ def _tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
         parts = name.split(".")
         if parts[0] == "layers" and model.layers[int(parts[1])].is_moe and parts[2] == "mlp":
             continue  # MoE blocks below, in the family's names
+        if name.endswith(".weight_q.scales"):
+            continue  # with its codes
+        if name.endswith(".weight_q.codes"):
+            module = name.removesuffix(".weight_q.codes")
+            out.update(_fp8(f"model.{module}.weight", model.get_submodule(module).weight_q))
+            continue
         out[name if name == "lm_head.weight" else f"model.{name}"] = param
     for index, layer in model.moe_layers():
         prefix = f"model.layers.{index}.{moe}"
@@ -133,7 +179,7 @@ def _tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
         if shared is not None:
             shared_name = "shared_experts" if config.arch == "deepseek_v3" else "shared_expert"
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{prefix}.{shared_name}.{proj}.weight"] = getattr(shared, proj).weight
+                out.update(_linear(f"{prefix}.{shared_name}.{proj}.weight", getattr(shared, proj)))
             if shared.gate is not None:
                 out[f"{prefix}.shared_expert_gate.weight"] = shared.gate.weight
     if config.tie_word_embeddings:
@@ -156,6 +202,8 @@ def save_pretrained(model: MoETransformer, path: str | Path, eos_token_id: int |
     path.mkdir(parents=True, exist_ok=True)
     config = config_to_hf(model.config, eos_token_id, bos_token_id)
     config["torch_dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    if any(isinstance(m, QuantizedWeight) for m in model.modules()):  # kept in the format it was loaded in
+        config["quantization_config"] = model.config.quantization.to_hf()
     weights = path / "model.safetensors.tmp"
     save_file(_tensors(model), str(weights), metadata={"format": "pt"})
     (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")

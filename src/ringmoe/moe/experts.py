@@ -40,6 +40,8 @@ def activate(h: torch.Tensor, limit: float | None = None, alpha: float = 1.702) 
 
 
 class SwiGLUExperts(nn.Module):
+    dense_decode = True  # a compiled decode step may run every expert on every token (MoELayer.forward_static)
+
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, bias: bool = False,
                  limit: float | None = None, alpha: float = 1.702):
         super().__init__()
@@ -51,6 +53,15 @@ class SwiGLUExperts(nn.Module):
         nn.init.normal_(self.down, std=ffn_size**-0.5)
         self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * ffn_size)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the experts compute in."""
+        return self.gate_up.dtype
+
+    def gathered(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights of experts ``chosen`` (n,): gate_up (n, 2F, H), down (n, H, F)."""
+        return self.gate_up[chosen], self.down[chosen]
 
     def _weights(self, e: int, gate_ups=None, downs=None, gate_up_biases=None, down_biases=None):
         return dict(gate_up=(gate_ups or self.gate_up)[e], down=(downs or self.down)[e],

@@ -112,8 +112,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size={self.hidden_size}), got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
-        if x.dtype != self.experts.gate_up.dtype:
-            raise TypeError(f"x is {x.dtype} but the layer's weights are {self.experts.gate_up.dtype}: "
+        if x.dtype != self.experts.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's weights are {self.experts.dtype}: "
                             f"convert one of them (layer.to(dtype) or x.to(dtype))")
         flat = x.reshape(-1, self.hidden_size)
         tokens = flat.shape[0]
@@ -159,7 +159,9 @@ class MoELayer(nn.Module):
 
         Few assignments (T * top_k < num_experts): each assignment's expert weights are gathered and applied
         as a batch of matrix-vector products (the weights of the experts in use are read, as in ``forward``).
-        Up to ``dense_below`` tokens: every expert runs on every token and the outputs are summed with the
+        Up to ``dense_below`` tokens (experts whose ``dense_decode`` is False, e.g. quantized ones, take the
+        gathered products there too: compiled, each chosen expert is dequantized inside its product, where the
+        dense form would dequantize every expert every step): every expert runs on every token and the outputs are summed with the
         combine weights, zero for the experts a token did not pick (num_experts / top_k times the
         arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
         sorted per-expert GEMMs of ``forward``, run outside the compiled graph (their split depends on the
@@ -168,16 +170,17 @@ class MoELayer(nn.Module):
         routing = self.router(x)
         tokens, k = routing.topk_idx.shape
         experts = self.experts
-        if tokens * k < self.num_experts:
+        if tokens * k < self.num_experts or (not experts.dense_decode and tokens < self.dense_below):
             # matrix-vector products written as multiply-and-sum: compiled, each is one kernel that reads the
             # chosen expert's weights where they lie (a gather then a GEMM would copy them first)
             chosen = routing.topk_idx.reshape(-1)
             rows = x.repeat_interleave(k, dim=0)                                               # (T k, H)
-            h = (experts.gate_up[chosen] * rows[:, None, :]).sum(-1)                           # (T k, 2F)
+            gate_up, down = experts.gathered(chosen)                                 # (T k, 2F, H), (T k, H, F)
+            h = (gate_up * rows[:, None, :]).sum(-1)                                           # (T k, 2F)
             if experts.gate_up_bias is not None:
                 h = h + experts.gate_up_bias.index_select(0, chosen)
             a = activate(h, experts.limit, experts.alpha)                                      # (T k, F)
-            y = (experts.down[chosen] * a[:, None, :]).sum(-1)                                 # (T k, H)
+            y = (down * a[:, None, :]).sum(-1)                                                 # (T k, H)
             if experts.down_bias is not None:
                 y = y + experts.down_bias.index_select(0, chosen)
             y = (y.view(tokens, k, -1) * routing.topk_weight.to(y.dtype)[..., None]).sum(1)

@@ -172,10 +172,11 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path, mesh=None, dtype: torch.dtype | None = None, layout: str = "zigzag",
-                        **options) -> "Engine":
+                        quantization: str | None = None, **options) -> "Engine":
         """The engine for a transformers checkpoint folder: weights (this rank's experts only) and, when the
-        folder has a tokenizer.json, its tokenizer, chat template and end-of-sequence ids."""
-        model = load_checkpoint(path, mesh, layout, dtype=dtype)
+        folder has a tokenizer.json, its tokenizer, chat template and end-of-sequence ids.  quantization:
+        "fp8" / "mxfp4" quantizes a float checkpoint's weights once loaded (``load_checkpoint``)."""
+        model = load_checkpoint(path, mesh, layout, dtype=dtype, quantization=quantization)
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer=tokenizer, **options)
 

@@ -18,6 +18,7 @@ import torch
 
 from ..jsonio import read_json
 from ..model import check_checkpoint
+from ..model.quantize import requested_scheme
 from ..parallel import make_mesh
 from ..parallel.launch import join_torchrun, spawn
 from ..parallel.layout import LAYOUTS
@@ -53,6 +54,7 @@ class ServeOptions:
     deterministic: bool = False
     enforce_eager: bool = False  # decode steps eager too (default: the compiled decode graph where it applies)
     dtype: str = "float32"
+    quantization: str | None = None  # "fp8" | "mxfp4": quantize a float checkpoint's weights once loaded
     layout: str = "zigzag"
     threads: int | None = None  # intra-op threads per rank; default: the cores less one for HTTP, shared out
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -113,6 +115,10 @@ def validate(options: ServeOptions) -> None:
         print(f"ringmoe serve: warning: binding {options.host}, beyond this machine, without --api-key: anyone "
               f"who reaches the port can use the model", file=sys.stderr, flush=True)
     config = check_checkpoint(options.model)
+    try:
+        requested_scheme(config, options.quantization)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None
     if config.num_experts % options.ep:
         raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
     if options.deterministic and config.capacity_factor is not None:
@@ -130,7 +136,7 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
     per_token = config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
                                      else 2 * config.num_kv_heads * config.head_dim)
     ranks = options.cp * options.ep
-    parts = {"weights": ranks * config.params_with_experts(config.num_experts // options.ep) * width,
+    parts = {"weights": ranks * config.weight_bytes(config.num_experts // options.ep, width),
              "KV cache": ranks * options.kv_cache_tokens * per_token * width,
              "processes": ranks * PROCESS_OVERHEAD_BYTES}
     return require_memory(f"serving {Path(options.model).name} on {ranks} rank(s)", parts, available,
@@ -139,7 +145,7 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
 
 def _build_engine(options: ServeOptions, mesh):
     return Engine.from_checkpoint(
-        options.model, mesh, dtype=DTYPES[options.dtype], layout=options.layout,
+        options.model, mesh, dtype=DTYPES[options.dtype], layout=options.layout, quantization=options.quantization,
         kv_cache_tokens=options.kv_cache_tokens, block_size=options.block_size, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
         deterministic=options.deterministic, decode_graph="off" if options.enforce_eager else "compiled",

@@ -112,23 +112,20 @@ def memory_per_rank(config: ModelConfig, cp: int, ep: int, batch_local: int, loc
                     recv_rows: float, chunks: int = 1) -> dict:
     """Bytes one rank holds during prefill.
 
-    weights: replicated attention, norms, router, embeddings; num_experts / ep experts.
+    weights: replicated attention, norms, routers, shared experts, dense MLPs, embeddings; num_experts / ep
+    experts; quantized parts at their real bytes (``ModelConfig.weight_bytes``).
     kv_cache: every layer's K/V of the rank's own tokens (kept for decoding).
     kv_in_flight: the two extra K/V blocks of the ring's double buffer.
     activations: one layer's working set: residual, normed input, q, fp32 output accumulator and lse,
     plus the MoE buffers of one micro-batch (received rows, their 2F-wide SwiGLU hidden).
     """
-    p = config.params_per_layer
-    replicated = config.num_layers * (p["attention"] + p["router"] + p["norms"])
-    replicated += config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    experts = config.num_layers * (config.num_experts // ep) * p["expert"]
     tokens = batch_local * local_tokens
     q_width = config.num_heads * config.head_dim
     kv_cache = config.num_layers * kv_block_bytes(config, batch_local, local_tokens, element_bytes)
     activations = tokens * (3 * config.hidden_size * element_bytes + q_width * (element_bytes + 4) + config.num_heads * 4)
     activations += recv_rows / chunks * (config.hidden_size + 2 * config.ffn_size) * element_bytes
     out = {
-        "weights": (replicated + experts) * element_bytes,
+        "weights": config.weight_bytes(config.num_experts // ep, element_bytes),
         "kv_cache": kv_cache,
         "kv_in_flight": 2 * kv_block_bytes(config, batch_local, local_tokens, element_bytes) if cp > 1 else 0,
         "activations": activations,
