@@ -1,4 +1,4 @@
-# ringmoe: `make demo` runs the main job, `make test` runs the test suite.
+# ringmoe: `make demo` runs the main job, `make test` runs the test suite (`make test-all` adds the slow cases).
 # Both create .venv and install everything on first use (a fresh machine needs only Python, pip, gcc).
 
 PYTHON ?= python3
@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench install clean
+.PHONY: test test-all demo bench install clean
 
 $(STAMP): pyproject.toml requirements/dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml requirements/dev.txt
 install: $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)

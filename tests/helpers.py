@@ -25,6 +25,15 @@ def reference_with_grads(q, k, v, dout, spec: AttentionSpec, dtype=torch.float64
     return out.detach(), lse.detach(), *(x.grad for x in leaves)
 
 
+def oracle_with_sinks(q, k, v, sinks, dout, spec: AttentionSpec):
+    """Float64 oracle of ``sum(out * dout) + lse.sum() / 4``: (out, lse, dq, dk, dv, dsinks or None)."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    s = sinks.detach().double().requires_grad_() if sinks is not None else None
+    out, lse = attention_reference(*leaves, spec, sinks=s)
+    (torch.sum(out * dout) + 0.25 * lse.sum()).backward()
+    return out.detach(), lse.detach(), *(x.grad for x in leaves), (s.grad if s is not None else None)
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max |a - b| in float64, over finite entries of b; 0 for empty tensors."""
     if a.numel() == 0:

@@ -53,11 +53,13 @@ def test_simulate_prints_the_table_and_draws(tmp_path, capsys):
                  "--hw", "h100", "--png", str(png)]) == 0
     printed = capsys.readouterr().out
     for row in ("prefill (all layers)", "K/V bytes per ring step", "tokens per rank for full overlap",
-                "dispatch / combine bytes per rank", "straggler", "memory per rank"):
+                "dispatch / combine bytes per rank", "straggler", "memory per rank",
+                "sequence parallelism over cp = 8: ulysses"):
         assert row in printed
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # `make test-all`
 def test_simulate_with_a_calibrated_profile_of_this_machine(tmp_path, capsys):
     profile = tmp_path / "hw.json"
     assert main(["simulate", "--calibrate", str(profile)]) == 0
@@ -67,6 +69,7 @@ def test_simulate_with_a_calibrated_profile_of_this_machine(tmp_path, capsys):
     assert main(["simulate", "--hw", "tpu-v9"]) == 2
 
 
+@pytest.mark.slow  # `make test-all`
 def test_serving_demo_runs_end_to_end(tmp_path, monkeypatch, capsys):
     """`make demo`: the model trained into the cache (a short run here), 4-rank server, openai client, exactness,
     clean stop."""

@@ -164,6 +164,12 @@ def _simulate(args) -> int:
         table.add_row(key, value)
     console.width = max(console.width, 120)
     console.print(table)
+    if args.cp > 1:
+        from .sim.sequence_parallel import choose_sequence_parallel
+
+        _, _, why = choose_sequence_parallel(config, scenario.hw, args.seqlen, args.cp, batch=args.batch or args.ep,
+                                             ep=args.ep, element_bytes=args.bytes)
+        console.print(f"sequence parallelism over cp = {args.cp}: {why}")
     if args.png:
         plot(sweep_cp(scenario, args.cp), sweep_tokens(scenario), args.png)
         console.print(f"wrote {args.png}")
@@ -262,6 +268,13 @@ def _add_train(sub) -> None:
     train.add_argument("--vocab-size", type=_positive, default=None, help="tokenizer/model vocabulary (default: preset's)")
     train.add_argument("--cp", type=_positive, default=1)
     train.add_argument("--ep", type=_positive, default=1)
+    train.add_argument("--cp-mode", default="ring", choices=["ring", "ulysses", "usp", "auto"],
+                       help="sequence parallelism over the cp ranks: the ring (default), Ulysses all-to-all, "
+                            "usp = Ulysses x ring (with --ulysses-degree), auto = the cost model picks (see --hw)")
+    train.add_argument("--ulysses-degree", type=_positive, default=None, metavar="U",
+                       help="--cp-mode usp: ranks of each Ulysses group (divides --cp; the ring is cp / U)")
+    train.add_argument("--hw", default="h100", help="--cp-mode auto: hardware profile the cost model weighs "
+                       "(h100, h200, h800 or a calibrated JSON; default h100)")
     train.add_argument("--seqlen", type=_positive, default=512)
     train.add_argument("--tokens-per-step", type=_positive, default=8192)
     train.add_argument("--steps", type=_positive, default=200)
@@ -303,7 +316,8 @@ def _train(args) -> int:
     console = Console()
     console.width = max(console.width, 120)
     options = TrainOptions(out=args.out, data=args.data, preset=args.preset, vocab_size=args.vocab_size, cp=args.cp,
-                           ep=args.ep, seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
+                           ep=args.ep, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree, hw=args.hw,
+                           seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
                            minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
                            aux_coef=args.aux_coef, bias_rate=args.bias_rate,
                            eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,

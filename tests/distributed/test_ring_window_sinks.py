@@ -15,17 +15,9 @@ from ringmoe.attention import AttentionSpec, attention_reference
 from ringmoe.parallel import LAYOUTS, RingStats, ring_flash_attn_func, shard
 from ringmoe.parallel.launch import spawn
 from ringmoe.parallel.varlen import ring_flash_attn_varlen_func, shard_varlen, varlen_positions
-from tests.helpers import assert_group_still_works, max_err, random_qkv
+from tests.helpers import assert_group_still_works, max_err, oracle_with_sinks, random_qkv
 
 CHUNK = 3  # tokens per layout chunk: shards of 6 tokens
-
-
-def _oracle(q, k, v, sinks, dout, spec):
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    s = sinks.detach().double().requires_grad_() if sinks is not None else None
-    out, lse = attention_reference(*leaves, spec, sinks=s)
-    (torch.sum(out * dout) + 0.25 * lse.sum()).backward()
-    return out.detach(), lse.detach(), *(x.grad for x in leaves), (s.grad if s is not None else None)
 
 
 def _check(rank, world):
@@ -42,7 +34,7 @@ def _check(rank, world):
                 sinks = torch.randn(4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
                 sinks = sinks if use_sinks else None
                 spec = AttentionSpec(8**-0.5, causal, window[0], window[1])
-                want = _oracle(q, k, v, sinks, dout, spec)
+                want = oracle_with_sinks(q, k, v, sinks, dout, spec)
                 local = [shard(x, world, rank, layout).requires_grad_() for x in (q, k, v)]
                 mine_sinks = sinks.clone().requires_grad_() if sinks is not None else None
                 stats = RingStats()

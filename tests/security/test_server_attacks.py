@@ -178,6 +178,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_kv_at_once(server):
     _unharmed(server)
 
 
+@pytest.mark.slow  # `make test-all`
 def test_memory_stays_flat_over_5000_requests(server):
     pid = server.proc.pid
 

@@ -77,7 +77,7 @@ def test_grouped_experts_outside_the_graph_equal_eager():
     _assert_same(_run(model, "off", prompts), _run(model, "static", prompts), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("family", ["tiny", pytest.param("gpt-oss-tiny", marks=pytest.mark.slow)])
 def test_compiled_step_equals_eager_at_bucket_boundaries(family):
     """torch.compile's graph (inductor): float32 greedy tokens equal, logits within float32 rounding; batch
     sizes 1, 2, 3, 4 (a bucket's max) and 5 (max + 1); sliding windows and sinks (gpt-oss)."""
@@ -91,6 +91,7 @@ def test_compiled_step_equals_eager_at_bucket_boundaries(family):
         _assert_same(eager, compiled, atol=2e-4)
 
 
+@pytest.mark.slow  # `make test-all`
 def test_compiled_step_under_preemption_and_prefix_hits():
     model = _model("tiny", torch.float32)
     prompts = _prompts(6, seed=5)
@@ -149,6 +150,7 @@ def test_bad_decode_graph_mode_is_refused():
         Engine(_model("tiny"), decode_graph="fast")
 
 
+@pytest.mark.slow  # `make test-all`
 def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_checkpoint):
     """`ringmoe serve` compiles by default (the test servers pass --enforce-eager): greedy answers, streamed
     and whole, batched by concurrent clients, are the eager server's."""

@@ -40,6 +40,7 @@ def _loglikelihoods(results) -> list[float]:
     return [float(resp[0][0]) for sample in results["samples"]["tiny_mc"] for resp in sample["resps"]]
 
 
+@pytest.mark.slow  # `make test-all`
 def test_lm_eval_local_completions_equals_hf(served_checkpoint, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager

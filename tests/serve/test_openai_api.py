@@ -321,6 +321,7 @@ def test_bench_prompts_are_measured_in_served_tokens(server, served_checkpoint, 
     assert result["completed"] == 3 and result["output_tokens"] == 3 + 2 + 3
 
 
+@pytest.mark.slow  # `make test-all`
 def test_aiperf_profiles_the_server(server, served_checkpoint, tmp_path):
     import os
     import shutil

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ringmoe.model import MoETransformer, preset
+from ringmoe.model.attention_backend import UlyssesAttention
 from ringmoe.parallel import make_mesh
 from ringmoe.parallel.launch import spawn
 from ringmoe.train import PackedStream, TrainConfig, Trainer
@@ -21,10 +22,12 @@ def _stream():
     return PackedStream(docs, seqlen=24)
 
 
-def _run(rank, world, cp, ep, layout, balance, steps, config=CONFIG, mla_ring="auto"):
-    mesh = make_mesh(cp, ep)
+def _run(rank, world, cp, ep, layout, balance, steps, config=CONFIG, mla_ring="auto", ulysses=1):
+    mesh = make_mesh(cp, ep, ulysses=ulysses)
     model = MoETransformer(config, mesh, layout).double()
     model.mla_ring = mla_ring
+    if ulysses > 1:  # the layers attend through Ulysses (and the ring across, under USP)
+        assert isinstance(model.causal_attention(), UlyssesAttention)
     model.init_weights(5, std=0.2)
     trainer = Trainer(model, TrainConfig(rows=4, lr=1e-2, warmup=2, steps=10, clip=0.05, balance=balance,
                                          aux_coef=0.1, z_coef=0.01, bias_rate=0.05), _stream())
@@ -80,6 +83,20 @@ def test_other_families_step_on_a_mesh_as_on_one_process(family):
         initial = dict(start.named_parameters())
         sinks = [n for n in want_state if n.endswith("sinks")]
         assert sinks and all((want_state[n] - initial[n]).abs().min() > 1e-6 for n in sinks)
+
+
+@pytest.mark.parametrize("family, cp, ep, ulysses", [("tiny", 2, 1, 2), ("tiny", 4, 1, 2), ("gpt-oss-tiny", 2, 2, 2),
+                                                    ("deepseek-v3-tiny", 4, 1, 4)])
+def test_ulysses_and_hybrid_steps_equal_one_process(family, cp, ep, ulysses):
+    """Packed documents through Ulysses (4 ranks: K/V heads repeated) and Ulysses x ring; gpt-oss's sinks (each
+    rank's heads' share, summed) and windows; DeepSeek's MLA with its K/V expanded over 4 heads."""
+    config = preset(family)
+    want_history, want_state, _ = spawn(_run, 1, 1, 1, "zigzag", "aux", 2, config, timeout=120)[0]
+    for history, state, _ in spawn(_run, cp * ep, cp, ep, "zigzag", "aux", 2, config, "auto", ulysses, timeout=240):
+        for got, want in zip(history, want_history):
+            assert abs(got["loss"] - want["loss"]) < 1e-10 and abs(got["grad_norm"] - want["grad_norm"]) < 1e-10
+        for name, value in state.items():
+            assert (value - want_state[name]).abs().max() < 1e-10, name
 
 
 def test_deepseek_steps_with_the_latent_ring_equal_one_process():

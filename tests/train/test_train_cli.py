@@ -16,6 +16,7 @@ ARGS = ["--preset", "tiny", "--vocab-size", "384", "--seqlen", "128", "--tokens-
         "--warmup", "10", "--balance", "bias", "--eval-every", "100", "--save-every", "150"]
 
 
+@pytest.mark.slow  # `make test-all`
 def test_train_export_serve_and_resume(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -63,6 +64,7 @@ def test_train_on_a_mesh_from_a_jsonl(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # `make test-all`
 def test_train_under_torchrun(tmp_path):
     import subprocess
     import sys
@@ -79,3 +81,73 @@ def test_train_under_torchrun(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "hf" / "model.safetensors").is_file() and (out / "step-000004").is_dir()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def _corpus(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 5)})
+                              for i in range(200)))
+    return data
+
+
+TWO_NODE_ARGS = ["--preset", "tiny", "--vocab-size", "300", "--seqlen", "64", "--tokens-per-step", "256",
+                 "--steps", "3", "--eval-every", "3", "--save-every", "3", "--log-every", "1"]
+
+
+def test_train_across_two_nodes_with_ulysses_inside_and_the_ring_across(tmp_path):
+    """The README's multi-node recipe on loopback: two torchrun invocations (node ranks 0 and 1, two ranks each),
+    cp = 4 as Ulysses 2 inside each node x the ring across the two; its losses equal one process's."""
+    import os
+    import subprocess
+    import sys
+
+    from ringmoe.parallel.launch import free_port
+
+    data, out, port = _corpus(tmp_path), tmp_path / "nodes", free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "ringmoe.cli", "train", "--launcher", "torchrun", "--out", str(out), "--data", str(data),
+         "--cp", "4", "--cp-mode", "usp", "--ulysses-degree", "2", *TWO_NODE_ARGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for node in (0, 1)]
+    try:
+        logs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:  # never leave a node behind
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    assert "ulysses 2 x ring 2" in logs[0]
+    single = tmp_path / "single"
+    assert main(["train", "--out", str(single), "--data", str(data), *TWO_NODE_ARGS]) == 0
+    losses = [[json.loads(line)["loss"] for line in (o / "metrics.jsonl").read_text().splitlines()]
+              for o in (out, single)]
+    assert len(losses[0]) == 3 and max(abs(a - b) for a, b in zip(*losses)) < 1e-4, losses
+    assert (out / "hf" / "model.safetensors").is_file()
+
+
+def test_a_ulysses_group_that_would_span_two_nodes_is_refused(monkeypatch):
+    from ringmoe.parallel.launch import join_torchrun
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="inside one node of 2 ranks"):
+        join_torchrun(4, 1, ulysses=4)
+
+
+def test_bad_sequence_parallel_options_are_refused(tmp_path):
+    from ringmoe.train.run import TrainOptions, sequence_split, validate
+
+    def options(**kw):
+        return TrainOptions(out=str(tmp_path / "o"), preset="tiny", cp=4, **kw)
+    with pytest.raises(ValueError, match="--ulysses-degree"):
+        validate(options(cp_mode="usp"))
+    with pytest.raises(ValueError, match="--ulysses-degree is for --cp-mode usp"):
+        validate(options(cp_mode="ring", ulysses_degree=2))
+    with pytest.raises(ValueError, match=r"q heads \(4\) must be divisible by the Ulysses degree \(8\)"):
+        validate(TrainOptions(out=str(tmp_path / "o"), preset="tiny", cp=8, cp_mode="ulysses"))
+    assert sequence_split(options(cp_mode="usp", ulysses_degree=2))[0] == 2
+    assert sequence_split(options(cp_mode="ulysses"))[0] == 4
+    u, why = sequence_split(options(cp_mode="auto", seqlen=131072))
+    assert u in (1, 2, 4) and why.startswith("auto: ulysses")

@@ -6,7 +6,8 @@ A layer computes its q, k, v (projections, norms, RoPE) and hands them to the ba
 
 The backend decides where the keys come from and how they are reached: the whole local sequence
 (``DenseAttention``), the cp group's ring (``RingAttention``), packed documents (``PackedAttention``,
-flash varlen or the varlen ring) for training, or the serving engine's paged KV cache
+flash varlen or the varlen ring) for training, Ulysses or the Ulysses x ring hybrid over the cp group
+(``UlyssesAttention``, dense or packed), or the serving engine's paged KV cache
 (``serve/step_attention.py``: prompt chunks, batched decodes, ring prefill, the cp-decode merge).
 
 Multi-head latent attention (DeepSeek-V3) asks two more things of a backend:
@@ -27,9 +28,10 @@ import torch
 from ..attention import flash_attn_func, flash_attn_varlen_func
 from ..parallel.ring import RingStats, ring_flash_attn_func
 from ..parallel.ring_mla import ring_mla_attn_func
+from ..parallel.ulysses import usp_attn_func, usp_attn_varlen_func
 from ..parallel.varlen import ring_flash_attn_varlen_func
 
-__all__ = ["AttentionBackend", "DenseAttention", "RingAttention", "PackedAttention"]
+__all__ = ["AttentionBackend", "DenseAttention", "RingAttention", "PackedAttention", "UlyssesAttention"]
 
 
 @runtime_checkable
@@ -103,3 +105,25 @@ class PackedAttention:
         return ring_mla_attn_func(q[0], latent[0], k_rope[0], w_kvb, v_dim, group=model.mesh.cp_group,
                                   layout=model.layout, backend=model.backend, stats=self.stats,
                                   cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)[None]
+
+
+class UlyssesAttention:
+    """Causal attention over the cp group by Ulysses, with the ring across when the mesh factors cp as
+    ulysses x ring (USP).  The ranks hold the same layout shards as under the ring (positions unchanged);
+    with ``cu_seqlens`` the input is one packed (1, tokens) row of documents (``shard_varlen`` rows).
+    MLA layers expand K/V and send those (Ulysses splits the expanded heads)."""
+
+    absorbed = latent_ring = False
+
+    def __init__(self, model, stats: RingStats | None = None, cu_seqlens: torch.Tensor | None = None,
+                 max_seqlen: int | None = None):
+        self.model, self.stats, self.cu_seqlens, self.max_seqlen = model, stats, cu_seqlens, max_seqlen
+
+    def attend(self, layer, q, k, v):
+        model, mesh = self.model, self.model.mesh
+        options = dict(causal=True, layout=model.layout, backend=model.backend, stats=self.stats,
+                       **model.attention_options(layer))
+        if self.cu_seqlens is None:
+            return usp_attn_func(q, k, v, mesh.ulysses_group, mesh.ring_group, **options)
+        return usp_attn_varlen_func(q[0], k[0], v[0], self.cu_seqlens, self.max_seqlen, mesh.ulysses_group,
+                                    mesh.ring_group, **options)[None]

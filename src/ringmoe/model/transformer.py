@@ -22,12 +22,13 @@ from ..batch_invariant import InvariantLinear
 from ..moe import MoELayer
 from ..moe.experts import SharedExpert
 from ..parallel.layout import check_layout
+from ..parallel.ulysses import check_heads
 from ..parallel.layout import positions as layout_positions
 from ..parallel.mesh import Mesh
 from ..parallel.ring import RingStats
 from ..parallel.varlen import varlen_positions
 from ..parallel.watchdog import activity
-from .attention_backend import AttentionBackend, DenseAttention, PackedAttention, RingAttention
+from .attention_backend import AttentionBackend, DenseAttention, PackedAttention, RingAttention, UlyssesAttention
 from .config import ModelConfig
 from .mla import LatentAttention
 from .norms import RMSNorm
@@ -128,6 +129,8 @@ class MoETransformer(nn.Module):
         self.config = config
         self.mesh = mesh if mesh is not None else Mesh()
         self.layout, self.backend = layout, backend
+        if self.mesh.ulysses > 1:  # Ulysses splits the query heads (and K/V heads, or repeats them) over its ranks
+            check_heads(config.num_heads, config.num_heads if config.mla else config.num_kv_heads, self.mesh.ulysses)
         self.activation_checkpointing = False  # training: recompute each layer in backward (memory for compute)
         # MLA under cp > 1: the ring carries "latent"s (fewer bytes, every rank expands every block) or
         # "expanded" K/V (each block expanded once).  "auto": latent on GPUs, expanded on CPUs.  The rule: the
@@ -157,9 +160,11 @@ class MoETransformer(nn.Module):
         return {"window_size": self.config.window(index), "sinks": self.layers[index].self_attn.sinks}
 
     def causal_attention(self, ring_stats: RingStats | None = None) -> AttentionBackend:
-        """Causal self-attention over the whole (sharded) sequence: the ring when cp > 1."""
+        """Causal self-attention over the whole (sharded) sequence: the ring, Ulysses or both when cp > 1."""
         if self.mesh.cp == 1:
             return DenseAttention(self)
+        if self.mesh.ulysses > 1:
+            return UlyssesAttention(self, ring_stats)
         return RingAttention(self, ring_stats, latent=self.config.mla and self._latent_ring())
 
     def packed_attention(self, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -167,8 +172,10 @@ class MoETransformer(nn.Module):
         """Causal attention within packed documents (int32 ``cu_seqlens``, global, the same on every rank).
 
         The rank's input is its ``shard_varlen`` rows of the packed (1, total_tokens) row; under cp > 1 the
-        ring carries K/V (or MLA latents) between the ranks.
+        ring carries K/V (or MLA latents) between the ranks, or Ulysses exchanges heads (mesh.ulysses > 1).
         """
+        if self.mesh.ulysses > 1:
+            return UlyssesAttention(self, ring_stats, cu_seqlens, max_seqlen)
         return PackedAttention(self, cu_seqlens, max_seqlen, ring_stats, latent=self.config.mla and self._latent_ring())
 
     def _latent_ring(self) -> bool:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..parallel.watchdog import activity
 from .dispatch import capacity_for, plan_dispatch
-from .exchange import exchange_counts, start_all_to_all
+from ..parallel.exchange import exchange_counts, start_all_to_all
 from .stats import MoEStats
 
 __all__ = ["expert_parallel_forward"]

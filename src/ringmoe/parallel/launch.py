@@ -382,8 +382,17 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def join_torchrun(cp: int, ep: int) -> tuple[int, int]:
-    """``init_from_env`` for a cp x ep job: (rank, world size); ValueError unless torchrun started cp * ep processes."""
+def join_torchrun(cp: int, ep: int, ulysses: int = 1) -> tuple[int, int]:
+    """``init_from_env`` for a cp x ep job: (rank, world size); ValueError unless torchrun started cp * ep processes.
+
+    Across nodes (torchrun --nnodes N: LOCAL_WORLD_SIZE ranks per node, node-major) a Ulysses group, ulysses x ep
+    consecutive ranks, must lie inside one node (its all-to-alls need the fast links; the ring crosses nodes):
+    ValueError otherwise, before the process group is joined."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    span = ulysses * ep
+    if ulysses > 1 and local and (span > local or local % span):
+        raise ValueError(f"a Ulysses group (ulysses {ulysses} x ep {ep} = {span} consecutive ranks) must lie inside "
+                         f"one node of {local} ranks: lower the Ulysses degree or start more ranks per node")
     rank, size = init_from_env()
     if size != cp * ep:
         raise ValueError(f"torchrun started {size} processes; --cp x --ep is {cp * ep}")

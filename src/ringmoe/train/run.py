@@ -25,6 +25,7 @@ from ..model import MoETransformer, preset
 from ..parallel import make_mesh
 from ..parallel.launch import join_torchrun, spawn
 from ..parallel.layout import LAYOUTS
+from ..parallel.ulysses import check_heads
 from ..text import Tokenizer, load_corpus, split_corpus, train_tokenizer
 from ..text.bpe import MIN_VOCAB
 from . import checkpoint
@@ -58,6 +59,9 @@ class TrainOptions:
     save_every: int = 100
     resume: bool = False
     layout: str = "zigzag"
+    cp_mode: str = "ring"               # ring | ulysses | usp (with ulysses_degree) | auto (the cost model picks)
+    ulysses_degree: int | None = None   # --cp-mode usp: the Ulysses part of cp (the ring is cp / it)
+    hw: str = "h100"                    # --cp-mode auto: the hardware profile the cost model weighs
     bf16: bool = False
     activation_checkpointing: bool = False
     peak_flops: float = 1.6e11          # this 2-core CPU's measured sgemm peak; MFU is relative to it
@@ -67,6 +71,34 @@ class TrainOptions:
     @property
     def rows(self) -> int:
         return self.tokens_per_step // self.seqlen
+
+
+CP_MODES = ("ring", "ulysses", "usp", "auto")
+
+
+def sequence_split(options: TrainOptions) -> tuple[int, str]:
+    """(the Ulysses degree of the cp group, why): ring 1, ulysses cp, usp --ulysses-degree, auto the cost model's
+    fastest factorization for the model's heads, --seqlen and the hardware profile --hw."""
+    cp, mode = options.cp, options.cp_mode
+    if mode not in CP_MODES:
+        raise ValueError(f"--cp-mode must be one of {CP_MODES}, got {mode!r}")
+    if options.ulysses_degree is not None and mode != "usp":
+        raise ValueError(f"--ulysses-degree is for --cp-mode usp (got --cp-mode {mode})")
+    if mode == "usp":
+        u = options.ulysses_degree
+        if u is None or not 1 < u < cp or cp % u:
+            raise ValueError(f"--cp-mode usp needs --ulysses-degree U with 1 < U < cp and cp % U == 0 "
+                             f"(cp = {cp}), got {u}")
+        return u, f"usp: ulysses {u} x ring {cp // u} (asked)"
+    if mode == "auto":
+        from ..sim.hardware import hardware_profile
+        from ..sim.sequence_parallel import choose_sequence_parallel
+
+        best, _, reason = choose_sequence_parallel(_config(options), hardware_profile(options.hw), options.seqlen,
+                                                   cp, batch=max(1, options.rows // options.ep), ep=options.ep)
+        return best.ulysses, "auto: " + reason
+    u = cp if mode == "ulysses" else 1
+    return u, f"{mode}: ulysses {u} x ring {cp // u}"
 
 
 def _config(options: TrainOptions):
@@ -86,6 +118,12 @@ def validate(options: TrainOptions) -> None:
         raise ValueError(f"--tokens-per-step / --seqlen = {options.rows} sequences must be divisible by --ep ({options.ep})")
     if options.layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {LAYOUTS}")
+    ulysses, _ = sequence_split(options)
+    config = _config(options)
+    try:
+        check_heads(config.num_heads, config.num_heads if config.mla else config.num_kv_heads, ulysses)
+    except ValueError as error:
+        raise ValueError(f"--cp-mode {options.cp_mode} (ulysses {ulysses}): {error}") from None
     if options.minutes is not None and not options.minutes > 0:
         raise ValueError(f"--minutes must be > 0, got {options.minutes}")
     if _config(options).num_experts % options.ep:
@@ -128,7 +166,7 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
                progress=None) -> dict:
 
     torch.manual_seed(options.seed)
-    mesh = make_mesh(options.cp, options.ep)
+    mesh = make_mesh(options.cp, options.ep, ulysses=sequence_split(options)[0])
     config = _config(options)
     model = MoETransformer(config, mesh, options.layout)
     model.init_weights(options.seed)
@@ -207,8 +245,11 @@ def run_training(options: TrainOptions, console=None, launcher: str = "spawn") -
 
     validate(options)
     world = options.cp * options.ep
+    ulysses, why = sequence_split(options)
+    if console is not None and options.cp > 1:
+        console.print(f"sequence parallelism over cp = {options.cp}: {why}")
     if launcher == "torchrun":
-        rank, size = join_torchrun(options.cp, options.ep)
+        rank, size = join_torchrun(options.cp, options.ep, ulysses)
         if rank == 0:  # one rank trains the tokenizer; the others read it (the documents are deterministic)
             _prepare(options)
         dist.barrier()

@@ -1,4 +1,4 @@
-"""The all-to-all exchanges of expert parallelism: differentiable and asynchronous.
+"""Differentiable, asynchronous all-to-all exchanges (expert parallelism's dispatch and combine, Ulysses).
 
 ``start_all_to_all`` sends ``send_splits[p]`` rows to rank p, receives
 ``recv_splits[p]`` rows from it, and returns at once with a ``Pending``
