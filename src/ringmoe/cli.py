@@ -185,6 +185,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--model", required=True, metavar="DIR", help="a transformers checkpoint folder (config.json, "
                        "safetensors, tokenizer.json)")
     serve.add_argument("--cp", type=_positive, default=1, help="context-parallel degree (ring prefill)")
+    serve.add_argument("--ulysses-degree", type=_positive, default=1, metavar="U",
+                       help="prefill prompts by Ulysses inside groups of U cp ranks and the ring across them "
+                            "(divides --cp; default 1: the ring alone)")
     serve.add_argument("--ep", type=_positive, default=1, help="expert-parallel degree (ep groups are data-parallel "
                        "replicas for attention)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -411,7 +414,8 @@ def _serve(args) -> int:
     from .serve.limits import ServerLimits
     from .serve.service import ServeOptions, run_server
 
-    options = ServeOptions(model=args.model, cp=args.cp, ep=args.ep, host=args.host, port=args.port,
+    options = ServeOptions(model=args.model, cp=args.cp, ep=args.ep, ulysses=args.ulysses_degree, host=args.host,
+                           port=args.port,
                            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,

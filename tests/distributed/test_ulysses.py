@@ -182,3 +182,54 @@ def _bad_mesh_rank(rank, world):
 def test_a_mesh_whose_ulysses_degree_does_not_divide_cp_is_refused():
     with pytest.raises(RankFailed, match="ulysses"):
         spawn(_bad_mesh_rank, 2, timeout=60)
+
+
+def _mla_rank(rank, world, u, layout, causal, docs):
+    """MLA by Ulysses x ring (latents gathered, each rank expanding its heads) vs the float64 MLA oracle, dense
+    (docs None) or packed documents; dW_kvb summed over the ranks."""
+    from ringmoe.parallel.ring_mla import LatentBlocks
+    from ringmoe.parallel.ulysses import usp_mla_attn_func
+    from tests.distributed.test_ring_mla import HEADS, NOPE, ROPE, V, _inputs
+
+    mesh = make_mesh(cp=world, ulysses=u)
+    seqlen = sum(docs) if docs else 2 * world * 3
+    q, latent, k_rope, w, dout = _inputs(world * 10 + u, seqlen)
+    leaves = [x.clone().requires_grad_() for x in (q, latent, k_rope, w)]
+    k, v = LatentBlocks(leaves[3], HEADS, NOPE, V).unpack(torch.cat([leaves[1], leaves[2]], dim=-1))
+    spec = AttentionSpec((NOPE + ROPE) ** -0.5, causal)
+    if docs:  # row 0 only, attention inside each document
+        bounds = [0] + list(torch.tensor(docs).cumsum(0).tolist())
+        want = torch.cat([attention_reference(leaves[0][:1, a:b], k[:1, a:b], v[:1, a:b], spec)[0]
+                          for a, b in zip(bounds, bounds[1:])], dim=1)[..., :V]
+        want.backward(dout[:1])
+    else:
+        want = attention_reference(leaves[0], k, v, spec)[0][..., :V]
+        want.backward(dout)
+    weight = w.clone().requires_grad_()
+    if docs:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        mine = [shard_varlen(x[0], cu, world, rank, layout).requires_grad_() for x in (q, latent, k_rope)]
+        out = usp_mla_attn_func(*mine, weight, V, mesh.ulysses_group, mesh.ring_group, causal=causal, layout=layout,
+                                backend="blockwise", cu_seqlens=cu, max_seqlen=max(docs))
+        out.backward(shard_varlen(dout[0], cu, world, rank, layout))
+        rows = varlen_positions(cu, world, rank, layout)
+        expected = [want[0][rows], *(x.grad[0][rows] for x in leaves[:3])]
+    else:
+        mine = [shard(x, world, rank, layout).requires_grad_() for x in (q, latent, k_rope)]
+        out = usp_mla_attn_func(*mine, weight, V, mesh.ulysses_group, mesh.ring_group, causal=causal, layout=layout,
+                                backend="blockwise")
+        out.backward(shard(dout, world, rank, layout))
+        expected = [shard(x, world, rank, layout) for x in (want, *(x.grad for x in leaves[:3]))]
+    for name, got, e in zip(("out", "dq", "dlatent", "dk_rope"), (out, *(x.grad for x in mine)), expected):
+        assert max_err(got, e) < 1e-10, f"rank {rank} u={u} {layout} docs={docs}: {name} {max_err(got, e):.3g}"
+    grad_w = weight.grad.clone()
+    dist.all_reduce(grad_w)
+    assert max_err(grad_w, leaves[3].grad) < 1e-10, f"rank {rank}: dW_kvb"
+    return True
+
+
+@pytest.mark.parametrize("world, u, layout, causal, docs", [
+    (2, 2, "zigzag", True, None), (4, 2, "striped", True, None), (4, 4, "contiguous", False, None),
+    (2, 2, "zigzag", True, [5, 1, 12, 3]), (4, 2, "zigzag", True, [5, 1, 12, 3])])
+def test_mla_through_ulysses_and_the_hybrid_moves_latents_and_matches_the_oracle(world, u, layout, causal, docs):
+    assert all(spawn(_mla_rank, world, u, layout, causal, docs, timeout=180))

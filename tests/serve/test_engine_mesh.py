@@ -36,8 +36,8 @@ def qwen3_checkpoint(tmp_path_factory):
     return path, [_hf_greedy(hf, p, n) for p, n in zip(_prompts(), NEW)]
 
 
-def _serve_rank(rank, world, path, cp, ep, layout, settings, abort_after):
-    mesh = make_mesh(cp, ep)
+def _serve_rank(rank, world, path, cp, ep, layout, settings, abort_after, ulysses=1):
+    mesh = make_mesh(cp, ep, ulysses=ulysses)
     engine = Engine(load_checkpoint(path, mesh, layout, dtype=torch.float64), **settings)
     if rank != 0:
         engine.run_worker()
@@ -58,7 +58,8 @@ def _serve_rank(rank, world, path, cp, ep, layout, settings, abort_after):
         assert group.blocks.usage == 0
     preempted = sum(s.preempted for s in stats)
     expert_rows = sum(sum(s.tokens_per_expert) for s in stats)
-    return [finals.get(i) for i in ids], preempted, expert_rows, max(s.ring_exposed_comm for s in stats)
+    exchanges = sum(s["step"] == "all_to_all" for h in engine.runner.history for s in h["ring"].forward)
+    return [finals.get(i) for i in ids], preempted, expert_rows, max(s.ring_exposed_comm for s in stats), exchanges
 
 
 @pytest.mark.parametrize("cp, ep, layout, settings", [
@@ -71,7 +72,7 @@ def _serve_rank(rank, world, path, cp, ep, layout, settings, abort_after):
 ])
 def test_greedy_tokens_on_meshes_equal_transformers(checkpoint, cp, ep, layout, settings):
     path, want = checkpoint
-    tokens, preempted, expert_rows, _ = spawn(_serve_rank, cp * ep, str(path), cp, ep, layout, settings, -1,
+    tokens, preempted, expert_rows, *_ = spawn(_serve_rank, cp * ep, str(path), cp, ep, layout, settings, -1,
                                               timeout=240, stall_timeout=60)[0]
     assert tokens == want
     assert expert_rows > 0
@@ -87,9 +88,32 @@ def test_qwen3_on_meshes_equals_transformers(qwen3_checkpoint, cp, ep):
     assert tokens == want
 
 
+@pytest.mark.parametrize("cp, ep, ulysses, layout", [(2, 1, 2, "zigzag"), (4, 1, 2, "striped"), (2, 2, 2, "zigzag")])
+def test_prompts_prefilled_by_ulysses_and_the_hybrid_equal_transformers(checkpoint, cp, ep, ulysses, layout):
+    """The same layout shards and cache as the ring: only the prefill's attention changes (preemption included:
+    a preempted request is prefilled again the same way)."""
+    path, want = checkpoint
+    tokens, preempted, *_, exchanges = spawn(_serve_rank, cp * ep, str(path), cp, ep, layout,
+                                             dict(block_size=4, kv_cache_tokens=40, record_steps=True), -1, ulysses,
+                                             timeout=240, stall_timeout=60)[0]
+    assert tokens == want
+    assert exchanges > 0  # the prompts went through Ulysses's all-to-alls
+    if cp == 2:
+        assert preempted > 0  # 40 cache tokens per rank: some requests were preempted and prefilled again
+
+
 def test_abort_on_a_mesh(checkpoint):
     path, want = checkpoint
     tokens, *_ = spawn(_serve_rank, 4, str(path), 2, 2, "zigzag", dict(block_size=4), 2, timeout=240,
                        stall_timeout=60)[0]
     assert tokens[3] is None
     assert [t for i, t in enumerate(tokens) if i != 3] == [w for i, w in enumerate(want) if i != 3]
+
+
+def test_serve_refuses_a_ulysses_degree_that_does_not_fit(checkpoint, capsys):
+    from ringmoe.cli import main
+
+    assert main(["serve", "--model", str(checkpoint[0]), "--cp", "2", "--ulysses-degree", "3"]) == 2
+    assert "--ulysses-degree (3) must divide --cp (2)" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint[0]), "--cp", "8", "--ulysses-degree", "8"]) == 2
+    assert "--ulysses-degree: q heads" in capsys.readouterr().err

@@ -85,14 +85,16 @@ def test_other_families_step_on_a_mesh_as_on_one_process(family):
         assert sinks and all((want_state[n] - initial[n]).abs().min() > 1e-6 for n in sinks)
 
 
-@pytest.mark.parametrize("family, cp, ep, ulysses", [("tiny", 2, 1, 2), ("tiny", 4, 1, 2), ("gpt-oss-tiny", 2, 2, 2),
-                                                    ("deepseek-v3-tiny", 4, 1, 4)])
-def test_ulysses_and_hybrid_steps_equal_one_process(family, cp, ep, ulysses):
+@pytest.mark.parametrize("family, cp, ep, ulysses, mla_ring", [
+    ("tiny", 2, 1, 2, "auto"), ("tiny", 4, 1, 2, "auto"), ("gpt-oss-tiny", 2, 2, 2, "auto"),
+    ("deepseek-v3-tiny", 4, 1, 4, "expanded"), ("deepseek-v3-tiny", 4, 1, 2, "latent")])
+def test_ulysses_and_hybrid_steps_equal_one_process(family, cp, ep, ulysses, mla_ring):
     """Packed documents through Ulysses (4 ranks: K/V heads repeated) and Ulysses x ring; gpt-oss's sinks (each
-    rank's heads' share, summed) and windows; DeepSeek's MLA with its K/V expanded over 4 heads."""
+    rank's heads' share, summed) and windows; DeepSeek's MLA with its K/V expanded over 4 heads, and with latents
+    gathered in each Ulysses pair and carried by the ring across (dW_kvb rows summed)."""
     config = preset(family)
     want_history, want_state, _ = spawn(_run, 1, 1, 1, "zigzag", "aux", 2, config, timeout=120)[0]
-    for history, state, _ in spawn(_run, cp * ep, cp, ep, "zigzag", "aux", 2, config, "auto", ulysses, timeout=240):
+    for history, state, _ in spawn(_run, cp * ep, cp, ep, "zigzag", "aux", 2, config, mla_ring, ulysses, timeout=240):
         for got, want in zip(history, want_history):
             assert abs(got["loss"] - want["loss"]) < 1e-10 and abs(got["grad_norm"] - want["grad_norm"]) < 1e-10
         for name, value in state.items():

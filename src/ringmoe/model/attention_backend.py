@@ -28,7 +28,7 @@ import torch
 from ..attention import flash_attn_func, flash_attn_varlen_func
 from ..parallel.ring import RingStats, ring_flash_attn_func
 from ..parallel.ring_mla import ring_mla_attn_func
-from ..parallel.ulysses import usp_attn_func, usp_attn_varlen_func
+from ..parallel.ulysses import usp_attn_func, usp_attn_varlen_func, usp_mla_attn_func
 from ..parallel.varlen import ring_flash_attn_varlen_func
 
 __all__ = ["AttentionBackend", "DenseAttention", "RingAttention", "PackedAttention", "UlyssesAttention"]
@@ -111,13 +111,15 @@ class UlyssesAttention:
     """Causal attention over the cp group by Ulysses, with the ring across when the mesh factors cp as
     ulysses x ring (USP).  The ranks hold the same layout shards as under the ring (positions unchanged);
     with ``cu_seqlens`` the input is one packed (1, tokens) row of documents (``shard_varlen`` rows).
-    MLA layers expand K/V and send those (Ulysses splits the expanded heads)."""
+    MLA layers send latents (``latent``: gathered in the Ulysses group, each rank expanding its heads) or
+    expanded K/V (Ulysses splits the expanded heads)."""
 
-    absorbed = latent_ring = False
+    absorbed = False
 
     def __init__(self, model, stats: RingStats | None = None, cu_seqlens: torch.Tensor | None = None,
-                 max_seqlen: int | None = None):
+                 max_seqlen: int | None = None, latent: bool = False):
         self.model, self.stats, self.cu_seqlens, self.max_seqlen = model, stats, cu_seqlens, max_seqlen
+        self.latent_ring = latent
 
     def attend(self, layer, q, k, v):
         model, mesh = self.model, self.model.mesh
@@ -127,3 +129,11 @@ class UlyssesAttention:
             return usp_attn_func(q, k, v, mesh.ulysses_group, mesh.ring_group, **options)
         return usp_attn_varlen_func(q[0], k[0], v[0], self.cu_seqlens, self.max_seqlen, mesh.ulysses_group,
                                     mesh.ring_group, **options)[None]
+
+    def attend_latent(self, layer, q, latent, k_rope, w_kvb, v_dim):
+        model, mesh = self.model, self.model.mesh
+        options = dict(layout=model.layout, backend=model.backend, stats=self.stats)
+        if self.cu_seqlens is None:
+            return usp_mla_attn_func(q, latent, k_rope, w_kvb, v_dim, mesh.ulysses_group, mesh.ring_group, **options)
+        return usp_mla_attn_func(q[0], latent[0], k_rope[0], w_kvb, v_dim, mesh.ulysses_group, mesh.ring_group,
+                                 cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, **options)[None]

@@ -164,7 +164,7 @@ class MoETransformer(nn.Module):
         if self.mesh.cp == 1:
             return DenseAttention(self)
         if self.mesh.ulysses > 1:
-            return UlyssesAttention(self, ring_stats)
+            return UlyssesAttention(self, ring_stats, latent=self.config.mla and self._latent_ring())
         return RingAttention(self, ring_stats, latent=self.config.mla and self._latent_ring())
 
     def packed_attention(self, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -175,7 +175,7 @@ class MoETransformer(nn.Module):
         ring carries K/V (or MLA latents) between the ranks, or Ulysses exchanges heads (mesh.ulysses > 1).
         """
         if self.mesh.ulysses > 1:
-            return UlyssesAttention(self, ring_stats, cu_seqlens, max_seqlen)
+            return UlyssesAttention(self, ring_stats, cu_seqlens, max_seqlen, self.config.mla and self._latent_ring())
         return PackedAttention(self, cu_seqlens, max_seqlen, ring_stats, latent=self.config.mla and self._latent_ring())
 
     def _latent_ring(self) -> bool:

@@ -26,7 +26,7 @@ from .ring import RingStats, _Ring, check_same_shapes, dense_plan
 from .varlen import varlen_plan
 from .watchdog import activity
 
-__all__ = ["ring_mla_attn_func", "LatentBlocks"]
+__all__ = ["ring_mla_attn_func", "LatentBlocks", "run_latent_ring"]
 
 
 class LatentBlocks:
@@ -141,6 +141,14 @@ def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout,
             raise RuntimeError("ring_mla_attn_func needs an initialized torch.distributed process group")
         check_same_shapes(group, q, block[:, :, None])
         plan = dense_plan(length, dist.get_world_size(group), layout, causal)
+    out, lse = run_latent_ring(q, block, kv_b_weight, v_head_dim, group, plan, spec, backend, stats)
+    return (out, lse) if return_lse else out
+
+
+def run_latent_ring(q, block, kv_b_weight, v_head_dim, group, plan, spec, backend, stats):
+    """The ring over ``group`` carrying ``block`` (B, L, rank + rope) under ``plan``: (out (B, L, H, v), lse)."""
+    heads, qk = q.shape[2], q.shape[3]
+    nope = qk - (block.shape[-1] - kv_b_weight.shape[1])
     ring = _Ring(group, plan, spec, backend, stats, LatentBlocks(kv_b_weight, heads, nope, v_head_dim))
     with activity("latent ring attention"):
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, block, kv_b_weight)):
@@ -148,5 +156,4 @@ def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout,
         else:
             out, lse = ring.forward(q, block)
             out = out.to(q.dtype)
-    out = out[..., :v_head_dim]
-    return (out, lse) if return_lse else out
+    return out[..., :v_head_dim], lse

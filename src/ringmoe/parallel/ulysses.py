@@ -20,6 +20,10 @@ group members, member after member; their global positions are the members' layo
   exactly the zigzag shard over R; for striped, U interleaved stripes), and the shared ring loop runs
   unchanged with its pluggable block kernel.
 
+Multi-head latent attention (``usp_mla_attn_func``) moves latents, not expanded K/V: the query heads are split,
+each token's latent and RoPE key (which have no heads) are gathered inside the Ulysses group, and every rank
+expands them with its own heads' rows of W_kvb; the ring across carries the gathered latents.
+
 Gradients flow back through the same all-to-alls reversed (autograd), so forward and backward are exact.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,11 +42,12 @@ from ..attention.sinks import check_sinks
 from .exchange import start_all_to_all
 from .layout import Segment, check_local_length, segments
 from .ring import RingPlan, RingStats, _DTYPE_CODES, _Ring, check_window_backend, run_ring
+from .ring_mla import LatentBlocks, run_latent_ring
 from .varlen import varlen_positions, varlen_segments
 from .watchdog import activity
 
 __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func",
-           "check_heads", "kv_heads_after_split"]
+           "usp_mla_attn_func", "check_heads"]
 
 
 def _size(group) -> int:
@@ -54,11 +60,6 @@ def check_heads(heads: int, kv_heads: int, ulysses: int) -> None:
         raise ValueError(f"q heads ({heads}) must be divisible by the Ulysses degree ({ulysses})")
     if kv_heads % ulysses and ulysses % kv_heads:
         raise ValueError(f"k/v heads ({kv_heads}) must divide or be divisible by the Ulysses degree ({ulysses})")
-
-
-def kv_heads_after_split(kv_heads: int, ulysses: int) -> int:
-    """K/V heads a rank holds after the exchange: kv_heads / U, or 1 when they are repeated to U."""
-    return max(kv_heads // ulysses, 1)
 
 
 def _repeat_kv(x: torch.Tensor, ulysses: int) -> torch.Tensor:
@@ -153,26 +154,64 @@ def _shifted(segs: list[Segment], offset: int) -> list[Segment]:
     return [Segment(s.start, s.stride, s.length, s.local_start + offset) for s in segs]
 
 
-def _attend(q, k, v, sinks, ulysses_group, ring_group, spec, backend, stats, return_lse,
-            members_lengths, global_order, ring_plan, local_attention):
-    """The shared body: exchange to heads, attend (locally, or around the ring), exchange back."""
-    u = _size(ulysses_group)
-    exchange = _Exchange(ulysses_group, members_lengths, stats)
-    me = exchange.me
+@dataclass(frozen=True)
+class _Geometry:
+    """Where the rows a rank holds after the exchange sit: ``lengths[i]`` rows came from Ulysses member i; with
+    no ring, ``order`` gives their global positions; with the ring, ``plan`` is its plan over the ring group."""
+
+    lengths: list[int]
+    order: torch.Tensor | None
+    plan: RingPlan | None
+
+
+def _dense_geometry(local: int, layout: str, u: int, r: int, ring_rank: int, causal: bool, window) -> _Geometry:
+    """Every rank holds ``local`` tokens of each sequence under ``layout`` over U x R ranks."""
+    world, members = u * r, [ring_rank * u + i for i in range(u)]
+    if r == 1:
+        order = torch.cat([torch.arange(s.start, s.start + s.stride * s.length, s.stride)
+                           for m in members for s in segments(local, world, m, layout)])
+        return _Geometry([local] * u, order, None)
+
+    def group_segments(ring_r):
+        return [[seg for i in range(u) for seg in _shifted(segments(local, world, ring_r * u + i, layout), i * local)]]
+    return _Geometry([local] * u, None, RingPlan([u * local] * r, group_segments, causal, tuple(window)))
+
+
+def _varlen_geometry(bounds: list[int], layout: str, u: int, r: int, ring_rank: int, causal: bool,
+                     window) -> _Geometry:
+    """Packed documents (global prefix sums ``bounds``), each split by ``layout`` over U x R ranks."""
+    world = u * r
+    rows_of = [sum(s.length for segs in varlen_segments(bounds, world, p, layout) for s in segs) for p in range(world)]
+    members = [ring_rank * u + i for i in range(u)]
+    if r == 1:
+        return _Geometry([rows_of[m] for m in members],
+                         torch.cat([varlen_positions(bounds, world, m, layout) for m in members]), None)
+
+    def group_segments(ring_r):
+        offsets = [0]
+        for i in range(u):
+            offsets.append(offsets[-1] + rows_of[ring_r * u + i])
+        per_member = [varlen_segments(bounds, world, ring_r * u + i, layout) for i in range(u)]
+        return [[seg for i in range(u) for seg in _shifted(per_member[i][d], offsets[i])]
+                for d in range(len(bounds) - 1)]
+
+    plan = RingPlan([sum(rows_of[ring_r * u + i] for i in range(u)) for ring_r in range(r)], group_segments, causal,
+                    tuple(window))
+    return _Geometry([rows_of[m] for m in members], None, plan)
+
+
+def _around(exchange: _Exchange, geometry: _Geometry, inputs, local_attention, ring_attention, return_lse):
+    """Exchange ``inputs`` to heads, attend (``local_attention`` over rows in global order, or
+    ``ring_attention`` over the ring), exchange (out, lse) back to tokens."""
     with activity("ulysses all-to-all"):
-        qh, kh, vh = exchange.to_heads([q, _repeat_kv(k, u), _repeat_kv(v, u)])
-    heads = q.shape[2] // u
-    my_sinks = None if sinks is None else sinks[me * heads:(me + 1) * heads]
-    if ring_plan is None:
-        order = global_order.to(q.device)
-        qg, kg, vg = _reordered([qh, kh, vh], order)
-        out, lse = local_attention(qg, kg, vg, my_sinks)
-        out = out.index_select(1, order)
-        lse = lse.index_select(2, order)
+        gathered = exchange.to_heads(inputs)
+    if geometry.plan is None:
+        order = geometry.order.to(inputs[0].device)
+        out, lse = local_attention(*_reordered(gathered, order))
+        out, lse = out.index_select(1, order), lse.index_select(2, order)
     else:
-        ring = _Ring(ring_group, ring_plan, spec, backend, stats)
         with activity("usp ring"):
-            out, lse = run_ring(qh, kh, vh, ring, my_sinks)
+            out, lse = ring_attention(*gathered)
     with activity("ulysses all-to-all back"):
         (out,) = exchange.to_tokens([out])
         if not return_lse:
@@ -192,9 +231,37 @@ def _validate(q, k, v, sinks, ulysses_group, ring_group, backend, softmax_scale,
     spec = make_spec(q.shape[-1], softmax_scale, causal, window_size, softcap)
     batched = (q, k) if rows == 1 else (q[None], k[None])
     check_window_backend(backend, *batched, spec)
+    _check_distributed(ulysses_group, ring_group)
+    return spec
+
+
+def _check_distributed(ulysses_group, ring_group) -> None:
     if (_size(ulysses_group) > 1 or _size(ring_group) > 1) and not dist.is_initialized():
         raise RuntimeError("Ulysses attention needs an initialized torch.distributed process group")
-    return spec
+
+
+def _ranks(ulysses_group, ring_group) -> tuple[int, int, int, int]:
+    """(U, R, this rank's ring rank, its Ulysses rank)."""
+    return (_size(ulysses_group), _size(ring_group), 0 if ring_group is None else dist.get_rank(ring_group),
+            0 if ulysses_group is None else dist.get_rank(ulysses_group))
+
+
+def _documents(cu_seqlens, max_seqlen, rows: int, layout: str, ulysses_group, ring_group) -> list[int]:
+    """The checked global prefix sums; ValueError unless this rank holds its ``shard_varlen`` rows of them."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {type(cu_seqlens).__name__}")
+    total = int(cu_seqlens[-1]) if cu_seqlens.numel() else -1
+    bounds = _check_cu_seqlens("cu_seqlens", cu_seqlens.cpu(), total, max_seqlen)
+    u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
+    mine = sum(s.length for segs in varlen_segments(bounds, u * r, ring_rank * u + me, layout) for s in segs)
+    if rows != mine:
+        raise ValueError(f"rank {ring_rank * u + me} holds {mine} rows of these documents under layout={layout!r}, "
+                         f"but q has {rows} (use shard_varlen)")
+    return bounds
+
+
+def _digest(bounds: list[int]) -> list[int]:
+    return [len(bounds), bounds[-1], sum((i + 1) * b for i, b in enumerate(bounds)) % (2**61 - 1)]
 
 
 def usp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: dist.ProcessGroup | None,
@@ -213,30 +280,23 @@ def usp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     Raises ValueError on bad input on every rank before any data is exchanged.
     """
     spec = _validate(q, k, v, sinks, ulysses_group, ring_group, backend, softmax_scale, causal, window_size, softcap)
-    u, r = _size(ulysses_group), _size(ring_group)
-    local = q.shape[1]
-    check_local_length(local, layout)
+    check_local_length(q.shape[1], layout)
     _check_agree(ulysses_group, ring_group, [*q.shape, *k.shape, _DTYPE_CODES[q.dtype]], "q, k, v of one shape and dtype")
-    world = u * r
-    ring_rank = 0 if ring_group is None else dist.get_rank(ring_group)
-    members = [ring_rank * u + i for i in range(u)]
-    lengths = [local] * u
-    if r == 1:
-        order = torch.cat([torch.arange(s.start, s.start + s.stride * s.length, s.stride)
-                           for m in members for s in segments(local, world, m, layout)])
+    u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
+    geometry = _dense_geometry(q.shape[1], layout, u, r, ring_rank, causal, window_size)
+    heads = q.shape[2] // u
+    my_sinks = None if sinks is None else sinks[me * heads:(me + 1) * heads]
 
-        def local_attention(qg, kg, vg, sinks_):
-            return flash_attn_func(qg, kg, vg, spec.softmax_scale, causal, tuple(window_size), softcap,
-                                   return_lse=True, backend=backend, sinks=sinks_)
-        return _finish(_attend(q, k, v, sinks, ulysses_group, None, spec, backend, stats, return_lse, lengths,
-                               order, None, local_attention), return_lse)
+    def local_attention(qg, kg, vg):
+        return flash_attn_func(qg, kg, vg, spec.softmax_scale, causal, tuple(window_size), softcap, return_lse=True,
+                               backend=backend, sinks=my_sinks)
 
-    def group_segments(ring_r):
-        return [[seg for i in range(u) for seg in _shifted(segments(local, world, ring_r * u + i, layout), i * local)]]
+    def ring_attention(qh, kh, vh):
+        return run_ring(qh, kh, vh, _Ring(ring_group, geometry.plan, spec, backend, stats), my_sinks)
 
-    plan = RingPlan([u * local] * r, group_segments, causal, tuple(window_size))
-    return _finish(_attend(q, k, v, sinks, ulysses_group, ring_group, spec, backend, stats, return_lse, lengths,
-                           None, plan, None), return_lse)
+    out, lse = _around(_Exchange(ulysses_group, geometry.lengths, stats), geometry,
+                       [q, _repeat_kv(k, u), _repeat_kv(v, u)], local_attention, ring_attention, return_lse)
+    return (out, lse) if return_lse else out
 
 
 def usp_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -250,53 +310,101 @@ def usp_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     rank).  Returns out (local_tokens, heads, head_dim) (and lse (heads, local_tokens)), equal to the same rows
     of ``flash_attn_varlen_func`` over the whole packed batch.  ValueError before any exchange on bad input."""
     spec = _validate(q, k, v, sinks, ulysses_group, ring_group, backend, softmax_scale, causal, window_size, 0.0)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {type(cu_seqlens).__name__}")
-    total = int(cu_seqlens[-1]) if cu_seqlens.numel() else -1
-    bounds = _check_cu_seqlens("cu_seqlens", cu_seqlens.cpu(), total, max_seqlen)
-    u, r = _size(ulysses_group), _size(ring_group)
-    world = u * r
-    ring_rank = 0 if ring_group is None else dist.get_rank(ring_group)
-    me = 0 if ulysses_group is None else dist.get_rank(ulysses_group)
-    lengths_of = [sum(s.length for segs in varlen_segments(bounds, world, p, layout) for s in segs)
-                  for p in range(world)]
-    if q.shape[0] != lengths_of[ring_rank * u + me]:
-        raise ValueError(f"rank {ring_rank * u + me} holds {lengths_of[ring_rank * u + me]} rows of these documents "
-                         f"under layout={layout!r}, but q has {q.shape[0]} (use shard_varlen)")
-    digest = sum((i + 1) * b for i, b in enumerate(bounds)) % (2**61 - 1)
-    _check_agree(ulysses_group, ring_group, [len(bounds), total, digest, *q.shape[1:], *k.shape[1:],
-                                             _DTYPE_CODES[q.dtype]], "the same global cu_seqlens, heads and dtype")
-    members = [ring_rank * u + i for i in range(u)]
-    lengths = [lengths_of[m] for m in members]
-    batched = [q[None], k[None], v[None]]
-    if r == 1:
-        order = torch.cat([varlen_positions(bounds, world, m, layout) for m in members])
+    bounds = _documents(cu_seqlens, max_seqlen, q.shape[0], layout, ulysses_group, ring_group)
+    _check_agree(ulysses_group, ring_group, [*_digest(bounds), *q.shape[1:], *k.shape[1:], _DTYPE_CODES[q.dtype]],
+                 "the same global cu_seqlens, heads and dtype")
+    u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
+    geometry = _varlen_geometry(bounds, layout, u, r, ring_rank, causal, window_size)
+    heads = q.shape[1] // u
+    my_sinks = None if sinks is None else sinks[me * heads:(me + 1) * heads]
 
-        def local_attention(qg, kg, vg, sinks_):
-            out, lse = flash_attn_varlen_func(qg[0], kg[0], vg[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                              spec.softmax_scale, causal, tuple(window_size), return_lse=True,
-                                              backend=backend, sinks=sinks_)
-            return out[None], lse[None]
-        out, lse = _attend(*batched, sinks, ulysses_group, None, spec, backend, stats, return_lse, lengths, order,
-                           None, local_attention)
-    else:
-        def group_segments(ring_r):
-            offsets = [0]
-            for i in range(u):
-                offsets.append(offsets[-1] + lengths_of[ring_r * u + i])
-            per_member = [varlen_segments(bounds, world, ring_r * u + i, layout) for i in range(u)]
-            return [[seg for i in range(u) for seg in _shifted(per_member[i][d], offsets[i])]
-                    for d in range(len(bounds) - 1)]
+    def local_attention(qg, kg, vg):
+        out, lse = flash_attn_varlen_func(qg[0], kg[0], vg[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                          spec.softmax_scale, causal, tuple(window_size), return_lse=True,
+                                          backend=backend, sinks=my_sinks)
+        return out[None], lse[None]
 
-        plan = RingPlan([sum(lengths_of[ring_r * u + i] for i in range(u)) for ring_r in range(r)],
-                        group_segments, causal, tuple(window_size))
-        out, lse = _attend(*batched, sinks, ulysses_group, ring_group, spec, backend, stats, return_lse, lengths,
-                           None, plan, None)
+    def ring_attention(qh, kh, vh):
+        return run_ring(qh, kh, vh, _Ring(ring_group, geometry.plan, spec, backend, stats), my_sinks)
+
+    out, lse = _around(_Exchange(ulysses_group, geometry.lengths, stats), geometry,
+                       [q[None], _repeat_kv(k, u)[None], _repeat_kv(v, u)[None]], local_attention, ring_attention,
+                       return_lse)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def _finish(result, return_lse):
-    out, lse = result
+def usp_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, kv_b_weight: torch.Tensor,
+                      v_head_dim: int, ulysses_group: dist.ProcessGroup | None,
+                      ring_group: dist.ProcessGroup | None = None, causal: bool = True, layout: str = "zigzag",
+                      softmax_scale: float | None = None, return_lse: bool = False, backend: str = "auto",
+                      stats: RingStats | None = None, cu_seqlens: torch.Tensor | None = None,
+                      max_seqlen: int | None = None):
+    """Multi-head latent attention by Ulysses x ring, moving latents instead of expanded K/V.
+
+    Ulysses splits the query heads; the latents and RoPE keys (no heads: each token's rank + rope numbers) are
+    gathered inside the Ulysses group instead, and each rank expands them with its heads' rows of W_kvb only.
+    The ring across carries the gathered latents (``parallel/ring_mla.py``).  Arguments and result as
+    ``ring_mla_attn_func``: q (batch, local, heads, nope + rope), latent (batch, local, rank), k_rope
+    (batch, local, rope), kv_b_weight (heads * (nope + v), rank), the same on every rank (each rank's gradient
+    holds its heads' rows: their sum over the ranks is the whole); packed documents with the global
+    ``cu_seqlens`` and inputs without the batch dimension.
+    """
+    packed = cu_seqlens is not None
+    if packed:
+        if not all(isinstance(x, torch.Tensor) and x.dim() == d for x, d in ((q, 3), (latent, 2), (k_rope, 2))):
+            raise ValueError("with cu_seqlens, q must be (tokens, heads, dim), latent and k_rope (tokens, width)")
+        q, latent, k_rope = q[None], latent[None], k_rope[None]
+    for name, x, dims in (("q", q, 4), ("latent", latent, 3), ("k_rope", k_rope, 3), ("kv_b_weight", kv_b_weight, 2)):
+        if not isinstance(x, torch.Tensor) or x.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    batch, length, heads, qk = q.shape
+    rank_, rope = latent.shape[-1], k_rope.shape[-1]
+    nope = qk - rope
+    if latent.shape[:2] != (batch, length) or k_rope.shape[:2] != (batch, length):
+        raise ValueError(f"latent {tuple(latent.shape)} and k_rope {tuple(k_rope.shape)} must hold q's "
+                         f"(batch, local_len) = {(batch, length)}")
+    if nope < 0 or not 1 <= v_head_dim <= qk or tuple(kv_b_weight.shape) != (heads * (nope + v_head_dim), rank_):
+        raise ValueError(f"kv_b_weight must be (heads * (nope + v_head_dim), kv_lora_rank) = "
+                         f"{(heads * (nope + v_head_dim), rank_)} with nope = q's width - rope = {nope}, "
+                         f"got {tuple(kv_b_weight.shape)}")
+    if not (q.dtype == latent.dtype == k_rope.dtype):
+        raise ValueError(f"q, latent, k_rope must share a dtype, got {q.dtype}, {latent.dtype}, {k_rope.dtype}")
+    check_backend(backend)
+    check_heads(heads, 1, _size(ulysses_group))
+    spec = make_spec(qk, softmax_scale, causal, (-1, -1), 0.0)
+    _check_distributed(ulysses_group, ring_group)
+    u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
+    if packed:
+        bounds = _documents(cu_seqlens, max_seqlen, length, layout, ulysses_group, ring_group)
+        _check_agree(ulysses_group, ring_group, [*_digest(bounds), heads, qk, rank_, rope, _DTYPE_CODES[q.dtype]],
+                     "the same global cu_seqlens, MLA shapes and dtype")
+        geometry = _varlen_geometry(bounds, layout, u, r, ring_rank, causal, (-1, -1))
+    else:
+        check_local_length(length, layout)
+        _check_agree(ulysses_group, ring_group, [*q.shape, rank_, rope, _DTYPE_CODES[q.dtype]],
+                     "q, latent, k_rope of one shape and dtype")
+        geometry = _dense_geometry(length, layout, u, r, ring_rank, causal, (-1, -1))
+    mine = heads // u
+    weight = kv_b_weight.view(heads, nope + v_head_dim, rank_)[me * mine:(me + 1) * mine].reshape(-1, rank_)
+    block = torch.cat([latent, k_rope], dim=-1)[:, :, None]  # one "head" that every member needs
+
+    def local_attention(qg, bg):
+        k, v = LatentBlocks(weight, mine, nope, v_head_dim).unpack(bg[:, :, 0])
+        if packed:
+            out, lse = flash_attn_varlen_func(qg[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                              spec.softmax_scale, causal, return_lse=True, backend=backend)
+            out, lse = out[None], lse[None]
+        else:
+            out, lse = flash_attn_func(qg, k, v, spec.softmax_scale, causal, return_lse=True, backend=backend)
+        return out[..., :v_head_dim], lse
+
+    def ring_attention(qh, bh):
+        return run_latent_ring(qh, bh[:, :, 0], weight, v_head_dim, ring_group, geometry.plan, spec, backend, stats)
+
+    out, lse = _around(_Exchange(ulysses_group, geometry.lengths, stats), geometry, [q, _repeat_kv(block, u)],
+                       local_attention, ring_attention, return_lse)
+    if packed:
+        out, lse = out[0], lse[0] if lse is not None else None
     return (out, lse) if return_lse else out
 
 

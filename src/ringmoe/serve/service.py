@@ -20,6 +20,7 @@ from ..jsonio import read_json
 from ..model import check_checkpoint
 from ..model.quantize import requested_scheme
 from ..parallel import make_mesh
+from ..parallel.ulysses import check_heads
 from ..parallel.launch import join_torchrun, spawn
 from ..parallel.layout import LAYOUTS
 from ..resources import PROCESS_OVERHEAD_BYTES, require_memory
@@ -41,6 +42,7 @@ class ServeOptions:
     model: str
     cp: int = 1
     ep: int = 1
+    ulysses: int = 1  # prompt prefill by Ulysses inside groups of this many cp ranks, the ring across (1: the ring)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
@@ -98,11 +100,13 @@ def validate(options: ServeOptions) -> None:
 
     if options.threads is not None and (not isinstance(options.threads, int) or options.threads < 1):
         raise ValueError(f"--threads must be a positive int, got {options.threads!r}")
-    for flag in ("cp", "ep", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
+    for flag in ("cp", "ep", "ulysses", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
                  "max_waiting", "max_tokens_default"):
         value = getattr(options, flag)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive int, got {value!r}")
+    if options.cp % options.ulysses:
+        raise ValueError(f"--ulysses-degree ({options.ulysses}) must divide --cp ({options.cp})")
     if not 0 <= options.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {options.port}")
     if options.dtype not in DTYPES:
@@ -121,6 +125,10 @@ def validate(options: ServeOptions) -> None:
         raise ValueError(f"--{error}") from None
     if config.num_experts % options.ep:
         raise ValueError(f"--ep ({options.ep}) must divide the model's {config.num_experts} experts")
+    try:
+        check_heads(config.num_heads, config.num_heads if config.mla else config.num_kv_heads, options.ulysses)
+    except ValueError as error:
+        raise ValueError(f"--ulysses-degree: {error}") from None
     if options.deterministic and config.capacity_factor is not None:
         raise ValueError("--deterministic needs dropless experts")
     check_fits(options, config)
@@ -190,7 +198,7 @@ def _serve_driver(engine, options: ServeOptions) -> int:
 def serve_rank(rank: int, world: int, options: ServeOptions) -> int:
     """One rank of a mesh server (the process group is up)."""
 
-    engine = _build_engine(options, make_mesh(options.cp, options.ep))
+    engine = _build_engine(options, make_mesh(options.cp, options.ep, ulysses=options.ulysses))
     if rank == 0:
         return _serve_driver(engine, options)
     engine.run_worker()

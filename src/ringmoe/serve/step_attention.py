@@ -9,8 +9,8 @@ and gets back the output of every item, each computed the way its kind needs:
 - ``decode`` (cp > 1): one token on every rank of the cp group; the rank that keeps its position writes its
   K/V, every rank attends to the part of the cache it holds, and the partial (out, lse) merge over the group
   (the cp-decode merge): exact attention over all cached keys;
-- ``ring`` (cp > 1): a whole prompt prefilled by ring attention over the cp group; each rank keeps the K/V
-  of the real positions it holds.
+- ``ring`` (cp > 1): a whole prompt prefilled by ring attention over the cp group (or Ulysses, and the ring
+  across, when the mesh factors cp as ulysses x ring); each rank keeps the K/V of the real positions it holds.
 
 With MLA the cache holds latents (``absorbed``): the layer attends in the latent space and the same three
 paths run with one "K/V head".
@@ -25,6 +25,7 @@ from ..attention import decode_attention, merge_attention
 from ..attention.paged import paged_attention
 from ..attention.sinks import add_sinks
 from ..parallel.ring import ring_flash_attn_func
+from ..parallel.ulysses import usp_attn_func
 from .placement import local_count, owned_prefill_positions
 
 __all__ = ["StepAttention"]
@@ -92,10 +93,14 @@ class StepAttention:
 
     def _ring_prefill(self, layer, item, offset, n, q, k, v, out, options) -> None:
         runner = self.runner
-        rows = slice(offset, offset + n)
-        out[rows] = ring_flash_attn_func(q[None, rows], k[None, rows], v[None, rows], group=runner.mesh.cp_group,
-                                         causal=True, layout=runner.layout, backend=runner.backend,
-                                         stats=runner.ring_stats, **options)[0]
+        rows, mesh = slice(offset, offset + n), runner.mesh
+        shards = (q[None, rows], k[None, rows], v[None, rows])
+        if mesh.ulysses > 1:  # the same layout shards: only how the ranks reach each other's keys differs
+            out[rows] = usp_attn_func(*shards, mesh.ulysses_group, mesh.ring_group, causal=True, layout=runner.layout,
+                                      backend=runner.backend, stats=runner.ring_stats, **options)[0]
+        else:
+            out[rows] = ring_flash_attn_func(*shards, group=mesh.cp_group, causal=True, layout=runner.layout,
+                                             backend=runner.backend, stats=runner.ring_stats, **options)[0]
         real = len(owned_prefill_positions(item.ring_len, runner.mesh.cp, runner.mesh.cp_rank, runner.layout))
         runner.write(layer, runner.slots(item.tables[runner.mesh.cp_rank], range(real)), k[offset:offset + real],
                      v[offset:offset + real])
