@@ -96,7 +96,8 @@ def test_layouts_balance_causal_work_and_skew_makes_stragglers():
 def test_calibration_recovers_a_synthetic_profile():
     truth = Hardware(name="this-machine", matmul_flops=1.3e11, attention_flops=9e10, memory_bandwidth=1.2e10,
                      intra_bandwidth=2.5e9, intra_latency=8e-5, inter_bandwidth=2.5e9, inter_latency=8e-5,
-                     devices_per_node=1 << 20, memory_bytes=0.0, kernel_overhead=2e-5, causal_efficiency=0.8)
+                     devices_per_node=1 << 20, memory_bytes=0.0, kernel_overhead=2e-5, causal_efficiency=0.8,
+                     alltoall_efficiency=0.7)
     fitted = profile_from_measurements(synthetic_measurements(truth))
     assert fitted.name == truth.name
     for field in dataclasses.fields(Hardware)[1:]:

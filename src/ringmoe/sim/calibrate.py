@@ -2,8 +2,9 @@
 
 Each resource is a line, time = fixed cost + amount / rate, fitted by least
 squares over a few sizes: GEMMs (FLOPs), the attention kernel (FLOPs over
-visible pairs), a memory copy (bytes), and a ping-pong between two local gloo
-ranks (bytes one way = round trip / 2).  ``synthetic_measurements`` produces
+visible pairs), a memory copy (bytes), a ping-pong between two local gloo
+ranks (bytes one way = round trip / 2), and an all-to-all between them (bytes each
+rank sends its peer: its rate over the ping-pong's is the all-to-all efficiency).  ``synthetic_measurements`` produces
 the timings a given profile implies, so fitting them must give the profile back.
 """
 
@@ -33,6 +34,7 @@ class Measurements:
     copy: list = field(default_factory=list)
     link: list = field(default_factory=list)
     causal: list = field(default_factory=list)  # (visible-pair FLOPs, seconds) of causal attention
+    all_to_all: list = field(default_factory=list)  # (bytes each rank sends its peers, seconds)
     call: float = 0.0  # seconds of a 16 x 16 matmul: the fixed cost of one kernel call
 
 
@@ -54,12 +56,13 @@ def profile_from_measurements(m: Measurements, name: str = "this-machine") -> Ha
     causal_slope, _ = fit_line(m.causal)
     copy_slope, _ = fit_line(m.copy)
     link_slope, link_fixed = fit_line(m.link)
+    all_to_all_efficiency = link_slope / fit_line(m.all_to_all)[0] if m.all_to_all else 1.0
     return Hardware(
         name=name, matmul_flops=1 / mm_slope, attention_flops=1 / at_slope, memory_bandwidth=1 / copy_slope,
         intra_bandwidth=1 / link_slope, intra_latency=max(link_fixed, 0.0),
         inter_bandwidth=1 / link_slope, inter_latency=max(link_fixed, 0.0),
         devices_per_node=1 << 20, memory_bytes=0.0, kernel_overhead=max(m.call - 2 * 16**3 * mm_slope, 0.0),
-        causal_efficiency=at_slope / causal_slope,
+        causal_efficiency=at_slope / causal_slope, alltoall_efficiency=all_to_all_efficiency,
     )
 
 
@@ -84,6 +87,7 @@ def synthetic_measurements(hw: Hardware) -> Measurements:
         m.copy.append((nbytes, nbytes / hw.memory_bandwidth))
     for nbytes in (2**16, 2**20, 2**22, 2**24):
         m.link.append((nbytes, hw.intra_latency + nbytes / hw.intra_bandwidth))
+        m.all_to_all.append((nbytes, hw.intra_latency + nbytes / (hw.intra_bandwidth * hw.alltoall_efficiency)))
     return m
 
 
@@ -119,6 +123,22 @@ def _ping_pong(rank: int, world: int, sizes: list[int], repeats: int) -> list:
     return results
 
 
+def _all_to_all(world: int, sizes: list[int], repeats: int) -> list:
+    """All-to-alls over every rank in which each sends ``nbytes`` to each peer (Ulysses's exchange)."""
+    results = []
+    for nbytes in sizes:
+        send = torch.zeros(world * (nbytes // 4))
+        recv = torch.empty_like(send)
+        samples = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_to_all_single(recv, send)
+            samples.append(time.perf_counter() - start)
+        results.append((nbytes * (world - 1), statistics.median(samples[1:])))
+    return results
+
+
 def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
     """Every rank times the same kernels at once (as in a parallel run, where ranks share the machine)."""
 
@@ -141,6 +161,7 @@ def _measure_rank(rank: int, world: int, repeats: int) -> Measurements:
         dst = torch.empty_like(src)
         m.copy.append((2 * mib * 2**20, timed(lambda: dst.copy_(src))))
     m.link = _ping_pong(rank, world, [2**16, 2**20, 2**22, 2**24], repeats)
+    m.all_to_all = _all_to_all(world, [2**16, 2**20, 2**22, 2**24], repeats)
     return m
 
 

@@ -34,6 +34,7 @@ class Hardware:
     memory_bytes: float = 80e9
     kernel_overhead: float = 5e-6  # fixed cost of one kernel call
     causal_efficiency: float = 1.0  # per-pair rate of masked (diagonal) blocks / attention_flops
+    alltoall_efficiency: float = 1.0  # bytes/s a device reaches in an all-to-all / its link's point-to-point rate
 
     def link(self, same_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) between two devices."""

@@ -7,7 +7,8 @@ qk width Dq and v width Dv, e bytes per element:
 * compute: the sequence's visible causal pairs N (N + 1) / 2 x B x H x (2 Dq + 2 Dv) FLOPs, split evenly over
   the P ranks (balanced layouts: zigzag, striped), at the attention kernel's rate;
 * Ulysses (U > 1): two all-to-alls in its group, q, k, v in (U - 1)/U x B (N/P) (H Dq + U Kr (Dq + Dv)) x e
-  bytes sent per rank, the output back in (U - 1)/U x B (N/P) H Dv x e: (U - 1) latencies + bytes / bandwidth;
+  bytes sent per rank, the output back in (U - 1)/U x B (N/P) H Dv x e: (U - 1) latencies + bytes / (bandwidth x
+  the profile's all-to-all efficiency, which ``ringmoe simulate --calibrate`` measures);
 * the ring (R > 1): R steps, each sends one K/V block of B (N/R) Kr (Dq + Dv) x e bytes while the block in
   hand is computed, so a step costs max(compute / R, transfer) (the first one only its compute).
 
@@ -86,6 +87,7 @@ def sp_cost(config: ModelConfig, hw: Hardware, seqlen: int, cp: int, ulysses: in
     if ulysses > 1:
         share = (ulysses - 1) / ulysses
         bandwidth, latency = hw.link(ulysses_in_node)
+        bandwidth *= hw.alltoall_efficiency  # calibrated: what an all-to-all reaches over the link
         for volume in (heads * dq + ulysses * kr * (dq + dv), heads * dv):  # q, k, v in; out back
             nbytes = share * batch * local * volume * element_bytes
             sent += nbytes
