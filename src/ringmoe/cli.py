@@ -212,6 +212,9 @@ def _add_serve(sub) -> None:
                        help="quantize a float checkpoint's weights once loaded: fp8 (e4m3, 128x128 blocks, every "
                        "projection) or mxfp4 (the experts); a checkpoint that ships quantized needs no flag")
     serve.add_argument("--deterministic", action="store_true", help="bitwise-reproducible tokens whatever the batch")
+    serve.add_argument("--speculative-config", metavar="JSON", default=None,
+                       help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup; --cp 1)')
     serve.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (default: one rank "
                        "compiles its decode step with torch.compile at start-up, ~10-40 s on a CPU)")
     serve.add_argument("--threads", type=_positive, default=None, help="intra-op threads per rank (default: the "
@@ -319,13 +322,24 @@ def _train(args) -> int:
     console = Console()
     console.width = max(console.width, 120)
     options = TrainOptions(out=args.out, data=args.data, preset=args.preset, vocab_size=args.vocab_size, cp=args.cp,
-                           ep=args.ep, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree, hw=args.hw,
+                           ep=args.ep, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
                            seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
                            minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
                            aux_coef=args.aux_coef, bias_rate=args.bias_rate,
                            eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,
                            bf16=args.bf16, activation_checkpointing=args.activation_checkpointing,
                            log_every=args.log_every)
+    if options.cp_mode == "auto":  # the cost model picks ring / ulysses / usp for this model, length and cluster
+        from .sim.hardware import hardware_profile
+        from .sim.sequence_parallel import auto_cp_mode
+        from .train.run import model_config
+
+        if args.ulysses_degree is not None:
+            raise ValueError("--ulysses-degree is for --cp-mode usp (auto picks it)")
+        options.cp_mode, options.ulysses_degree, why = auto_cp_mode(
+            model_config(options), hardware_profile(args.hw), options.seqlen, options.cp,
+            batch=max(1, options.rows // options.ep), ep=options.ep)
+        console.print(f"--cp-mode auto on {args.hw}: {why}")
     result = run_training(options, console, args.launcher)
     console.print(f"trained {result['steps']} steps: validation loss {result['val_loss']:.3f} nats "
                   f"(unigram entropy {result['unigram_entropy']:.3f}); transformers checkpoint: {result['hf']}")
@@ -415,7 +429,7 @@ def _serve(args) -> int:
     from .serve.service import ServeOptions, run_server
 
     options = ServeOptions(model=args.model, cp=args.cp, ep=args.ep, ulysses=args.ulysses_degree, host=args.host,
-                           port=args.port,
+                           port=args.port, speculative_config=args.speculative_config,
                            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,

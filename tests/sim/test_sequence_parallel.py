@@ -10,7 +10,7 @@ from ringmoe.parallel import RingStats, make_mesh, shard
 from ringmoe.parallel.launch import spawn
 from ringmoe.parallel.ulysses import usp_attn_func
 from ringmoe.sim.hardware import PROFILES
-from ringmoe.sim.sequence_parallel import choose_sequence_parallel, sp_cost, valid_ulysses_degrees
+from ringmoe.sim.sequence_parallel import auto_cp_mode, choose_sequence_parallel, sp_cost, valid_ulysses_degrees
 from tests.helpers import random_qkv
 
 SHAPE = ModelConfig(num_heads=4, num_kv_heads=1, head_dim=8, hidden_size=32, num_layers=1, num_experts=2, top_k=1,
@@ -58,3 +58,9 @@ def test_heads_cap_the_ulysses_degree():
     assert valid_ulysses_degrees(16, 16, 2, node_ranks=4) == [1, 2, 4]
     _, costs, reason = choose_sequence_parallel(SHAPE, PROFILES["h100"], 65536, 8)
     assert max(c.ulysses for c in costs) == 4 and "capped at 4 by 4 heads" in reason
+
+
+def test_auto_names_a_mode_the_trainer_takes():
+    assert auto_cp_mode(GQA, PROFILES["h100"], 1048576, 8)[:2] == ("ring", None)
+    mode, degree, why = auto_cp_mode(GQA, PROFILES["h100"], 131072, 64)
+    assert (mode, degree) == ("usp", 4) and why.startswith("ulysses 4 x ring 16")

@@ -44,6 +44,7 @@ from .request import Request, RequestOutput, Status
 from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
+from .speculative import SpeculationStats, SpeculativeConfig, can_speculate, verify_drafts
 from .structured import grammar_masks
 
 __all__ = ["Engine", "StepStats"]
@@ -69,6 +70,7 @@ class StepStats:
     ring_exposed_comm: float = 0.0
     dropped_tokens: int = 0
     prefix_query_tokens: int = 0
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)  # this step's drafts and acceptances
 
 
 class Engine:
@@ -111,7 +113,7 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
                  deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False,
-                 decode_graph: str = "off"):
+                 decode_graph: str = "off", speculative_config=None):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if kv_cache_bytes is not None:
@@ -133,6 +135,12 @@ class Engine:
                              "token's experts depend on the other tokens of the step")
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         self.deterministic, self.return_logits = deterministic, return_logits
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)
+        if self.speculative_config is not None and (model.mesh.cp > 1 or deterministic):
+            raise ValueError("speculative decoding needs cp = 1 and the default (non-deterministic) mode")
+        self.drafter = self.speculative_config.drafter() if self.speculative_config is not None else None
+        self.spec_stats = SpeculationStats()  # since the start
+        self._step_spec = SpeculationStats()  # this step
         # every layer windowed (Mixtral / Qwen with sliding windows everywhere): a request's blocks wholly
         # before its window are given back as it advances (on every cp rank); one full layer keeps them all
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
@@ -265,6 +273,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step of the whole mesh (driver only); outputs of the requests that advanced."""
         start = time.perf_counter()
+        self._step_spec = SpeculationStats()
+        if self.drafter is not None:
+            self._propose_drafts()
         batches = [g.schedule() for g in self.groups]
         plan = [[self._work_item(g, request, count, batch.copies) for request, count in batch.items]
                 for g, batch in enumerate(batches)]
@@ -282,7 +293,7 @@ class Engine:
                 rank_stats = [s for _, s in gathered]
         for g, batch in enumerate(batches):
             for request, count in batch.items:
-                request.num_computed += count
+                request.num_computed += count - len(request.draft_ids)  # drafts count once accepted
                 blocks = self.groups[g].blocks
                 blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
                 if self.window_reach is not None:
@@ -291,12 +302,14 @@ class Engine:
                                        max(0, request.num_computed - self.window_reach) // blocks.block_size)
         for g, batch in enumerate(batches):
             for request, count in batch.items:
-                if ("all", request.request_id) in reports:
+                if ("all", request.request_id) in reports and request.needs_prompt_logprobs:
                     self._prompt_logprobs(request, request.num_computed - count, reports[("all", request.request_id)])
         due = [r for batch in batches for r, _ in batch.items if r.remaining == 0]
         prompt_only = [r for r in due if r.params.max_tokens == 0]
-        due = [r for r in due if r.params.max_tokens > 0]
+        drafted = [r for r in due if r.draft_ids]
+        due = [r for r in due if r.params.max_tokens > 0 and not r.draft_ids]
         outputs = [out for r in prompt_only for out in self._prompt_only(r)]
+        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)])]
         if due:
             hidden = torch.stack([reports[r.request_id] for r in due])
             with torch.no_grad(), self._invariance():
@@ -314,20 +327,59 @@ class Engine:
                     if not members:
                         del self._members[out.group_id]
         self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
+        self.last_stats.speculation = self._step_spec
         self.num_preemptions += self.last_stats.preempted
         return outputs
 
+    def _propose_drafts(self) -> None:
+        """Drafts for every running request about to decode one token (``can_speculate``), as many as its
+        max_tokens and the context limit leave after the token the step yields anyway."""
+        k = self.speculative_config.num_speculative_tokens
+        for group in self.groups:
+            for request in group.running:
+                request.draft_ids = []
+                if request.remaining != 1 or not request.output_ids or not can_speculate(
+                        request.params, len(request.output_ids), request.matcher):
+                    continue
+                room = min(k, request.params.max_tokens - len(request.output_ids) - 1,
+                           group.max_model_len - request.num_tokens - 1)
+                request.draft_ids = self.drafter.propose(request.all_ids, room) if room > 0 else []
+
+    def _verify(self, request: Request, hidden: torch.Tensor) -> list[RequestOutput]:
+        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)): the accepted
+        tokens and one more go through the usual stop rules; the cache keeps only accepted positions."""
+        drafts, request.draft_ids = request.draft_ids, []
+        try:
+            with torch.no_grad(), self._invariance():
+                logits = self.model.lm_head(hidden.to(self.runner.device)).float()
+            choices = verify_drafts(drafts, logits, request.params, request.generator)
+        except Exception as error:  # this request alone ends
+            return [self._failed(request, error, request.emitted)]
+        for stats in (self.spec_stats, self._step_spec):
+            stats.record(len(drafts), len(choices) - 1)
+        outputs = []
+        for i, choice in enumerate(choices):
+            outputs.append(self._sample_safely(request, logits[i], None, choice))
+            if request.status == Status.FINISHED:
+                break
+            if i < len(choices) - 1:  # an accepted draft: its K/V (computed this step) now count
+                request.num_computed += 1
+        if request.status != Status.FINISHED:
+            group = self.groups[self._group_of[request.request_id]]
+            group.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
+        return _merged(outputs)
+
     def _work_item(self, group: int, request: Request, count: int, copies: dict) -> WorkItem:
         blocks = self.groups[group].blocks
-        due = request.num_computed + count == request.num_tokens
-        tokens = request.all_ids[request.num_computed:request.num_computed + count]
+        due = request.num_computed + count == request.num_tokens + len(request.draft_ids)
+        tokens = (request.all_ids + request.draft_ids)[request.num_computed:request.num_computed + count]
         if isinstance(blocks, ShardedBlocks):
             kind = "ring" if request.num_computed == 0 else "decode"
             return WorkItem(request.request_id, tokens, request.num_computed, blocks.block_table(request.request_id),
                             kind, blocks.ring_len[request.request_id], due)
         generated = count == 1 and request.num_computed >= len(request.prompt_ids)
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
-                        "paged", 0, due, generated, report_all=request.needs_prompt_logprobs,
+                        "paged", 0, due, generated, report_all=request.needs_prompt_logprobs or bool(request.draft_ids),
                         copies=copies.get(request.request_id))
 
     def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
@@ -420,11 +472,14 @@ class Engine:
         try:
             return self._sample(request, logits, mask, choice)
         except Exception as error:
-            log.error("request %s ends with an error: %s", request.request_id, error)
-            if request.status != Status.FINISHED:
-                self._finish(request, "error")
-            return self._output(request, [], request.text[emitted_before:request.emitted], "error", [],
-                                error=str(error))
+            return self._failed(request, error, emitted_before)
+
+    def _failed(self, request: Request, error: Exception, emitted_before: int) -> RequestOutput:
+        """``request`` ends alone with finish_reason "error" (its text so far goes out)."""
+        log.error("request %s ends with an error: %s", request.request_id, error)
+        if request.status != Status.FINISHED:
+            self._finish(request, "error")
+        return self._output(request, [], request.text[emitted_before:request.emitted], "error", [], error=str(error))
 
     def _output(self, request: Request, new_ids: list[int], delta: str, reason: str | None, logprobs: list,
                 **extra) -> RequestOutput:
@@ -564,3 +619,15 @@ class Engine:
         for (rid, _), out in final.items():
             out.prompt_logprobs = prompt_logprobs.get(rid, out.prompt_logprobs)
         return [final[key] for key in want]
+
+
+def _merged(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One request's outputs of one step (its accepted drafts and the next token) as one output."""
+    if len(outputs) <= 1:
+        return outputs
+    last = outputs[-1]
+    last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+    last.text_delta = "".join(out.text_delta for out in outputs)
+    last.logprobs = [c for out in outputs for c in out.logprobs]
+    last.prompt_logprobs = next((out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None), None)
+    return [last]

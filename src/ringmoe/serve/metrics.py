@@ -55,6 +55,16 @@ class ServerMetrics:
         self.ring_exposed = Gauge("ringmoe:ring_exposed_comm_ratio",
                                   "Share of ring attention time blocked on K/V transfers, last ring step", labels,
                                   registry=r)
+        # speculative decoding, vLLM's spec_decode counters
+        self.spec_drafts = Counter("ringmoe:spec_decode_num_drafts", "Requests x steps that carried drafts", labels,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("ringmoe:spec_decode_num_draft_tokens", "Draft tokens proposed", labels,
+                                         registry=r)
+        self.spec_accepted = Counter("ringmoe:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,
+                                     registry=r)
+        self.spec_accepted_per_pos = Counter("ringmoe:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position", labels + ["position"],
+                                             registry=r)
         self._hits_seen = self._queries_seen = 0
 
     def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
@@ -84,6 +94,13 @@ class ServerMetrics:
             self.prefix_queries.labels(m).inc(queries - self._queries_seen)
         self._hits_seen, self._queries_seen = hits, queries
         self.generation_tokens.labels(m).inc(sum(len(o.new_token_ids) for o in outputs))
+        spec = stats.speculation
+        if spec.num_drafts:
+            self.spec_drafts.labels(m).inc(spec.num_drafts)
+            self.spec_draft_tokens.labels(m).inc(spec.num_draft_tokens)
+            self.spec_accepted.labels(m).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_position):
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(count)
 
     def on_finish(self, out: RequestOutput, inter_token: list[float]) -> None:
         m = self.model

@@ -70,6 +70,7 @@ class Request:
     prompt_logprobs: list[TokenChoice | None] = field(default_factory=list)  # [None, then one per prompt token]
     matcher: object | None = None  # the grammar's state (structured outputs)
     reported_prompt: bool = False  # the prompt logprobs went out with a first output
+    draft_ids: list[int] = field(default_factory=list)  # speculative tokens the next step verifies (never output)
 
     def __post_init__(self):
         self.group_id = self.group_id or self.request_id

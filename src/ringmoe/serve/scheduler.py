@@ -107,7 +107,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.remaining, budget)
+            count = min(request.remaining + len(request.draft_ids), budget)
+            del request.draft_ids[max(0, count - request.remaining):]  # drafts beyond the budget are dropped
             try:
                 if hasattr(self.blocks, "copy_on_write"):
                     copy = self.blocks.copy_on_write(request.request_id, request.num_computed)
@@ -154,6 +155,7 @@ class Scheduler:
         return ScheduledBatch(items, preempted, copies)
 
     def _preempt(self, request: Request) -> None:
+        request.draft_ids.clear()
         self.running.remove(request)
         self.blocks.release(request.request_id)
         request.num_computed = 0

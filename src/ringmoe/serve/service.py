@@ -21,6 +21,7 @@ from ..model import check_checkpoint
 from ..model.quantize import requested_scheme
 from ..parallel import make_mesh
 from ..parallel.ulysses import check_heads
+from .speculative import SpeculativeConfig
 from ..parallel.launch import join_torchrun, spawn
 from ..parallel.layout import LAYOUTS
 from ..resources import PROCESS_OVERHEAD_BYTES, require_memory
@@ -64,6 +65,7 @@ class ServeOptions:
     tool_call_parser: str | None = None  # "hermes" | "deepseek_v3" | "harmony" | "none"; default: from the model type
     json_any_whitespace: bool = False  # JSON grammars may put whitespace between tokens
     allowed_origins: tuple[str, ...] = ()  # CORS (none by default)
+    speculative_config: str | None = None  # JSON, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4, ...}
 
     def threads_per_rank(self) -> int:
         """Rank 0 also runs the HTTP loop: leave it a core (busy OpenMP workers starve the event loop)."""
@@ -105,6 +107,12 @@ def validate(options: ServeOptions) -> None:
         value = getattr(options, flag)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive int, got {value!r}")
+    try:
+        speculative = SpeculativeConfig.parse(options.speculative_config)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"--{str(error).replace('_', '-', 1)}") from None
+    if speculative is not None and (options.cp > 1 or options.deterministic):
+        raise ValueError("--speculative-config needs --cp 1 and no --deterministic")
     if options.cp % options.ulysses:
         raise ValueError(f"--ulysses-degree ({options.ulysses}) must divide --cp ({options.cp})")
     if not 0 <= options.port <= 65535:
@@ -157,6 +165,7 @@ def _build_engine(options: ServeOptions, mesh):
         kv_cache_tokens=options.kv_cache_tokens, block_size=options.block_size, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
         deterministic=options.deterministic, decode_graph="off" if options.enforce_eager else "compiled",
+        speculative_config=options.speculative_config,
     )
 
 
@@ -212,7 +221,7 @@ def run_server(options: ServeOptions, launcher: str = "spawn") -> int:
     if launcher == "torchrun":
         import torch.distributed as dist
 
-        rank, size = join_torchrun(options.cp, options.ep)
+        rank, size = join_torchrun(options.cp, options.ep, options.ulysses)
         try:
             return serve_rank(rank, size, options)
         finally:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..model.config import ModelConfig
 from .hardware import Hardware
 
-__all__ = ["SPCost", "sp_cost", "valid_ulysses_degrees", "choose_sequence_parallel"]
+__all__ = ["SPCost", "sp_cost", "valid_ulysses_degrees", "choose_sequence_parallel", "auto_cp_mode"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,10 @@ def choose_sequence_parallel(config: ModelConfig, hw: Hardware, seqlen: int, cp:
               f"on {hw.name}, {', '.join(links) or 'no communication'}{capped}"
               + (f"; others: {others}" if others else ""))
     return best, costs, reason
+
+
+def auto_cp_mode(config: ModelConfig, hw: Hardware, seqlen: int, cp: int, batch: int = 1,
+                 ep: int = 1) -> tuple[str, int | None, str]:
+    """``--cp-mode auto``: (cp mode, --ulysses-degree or None, why) of the fastest factorization."""
+    best, _, reason = choose_sequence_parallel(config, hw, seqlen, cp, batch, ep)
+    return best.mode, (best.ulysses if best.mode == "usp" else None), reason

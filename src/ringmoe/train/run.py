@@ -32,7 +32,7 @@ from . import checkpoint
 from .data import PackedStream, unigram_entropy
 from .loop import TrainConfig, Trainer
 
-__all__ = ["TrainOptions", "run_training"]
+__all__ = ["TrainOptions", "run_training", "model_config", "sequence_split"]
 
 
 @dataclass
@@ -59,9 +59,8 @@ class TrainOptions:
     save_every: int = 100
     resume: bool = False
     layout: str = "zigzag"
-    cp_mode: str = "ring"               # ring | ulysses | usp (with ulysses_degree) | auto (the cost model picks)
+    cp_mode: str = "ring"               # ring | ulysses | usp (with ulysses_degree); the CLI resolves "auto"
     ulysses_degree: int | None = None   # --cp-mode usp: the Ulysses part of cp (the ring is cp / it)
-    hw: str = "h100"                    # --cp-mode auto: the hardware profile the cost model weighs
     bf16: bool = False
     activation_checkpointing: bool = False
     peak_flops: float = 1.6e11          # this 2-core CPU's measured sgemm peak; MFU is relative to it
@@ -73,12 +72,12 @@ class TrainOptions:
         return self.tokens_per_step // self.seqlen
 
 
-CP_MODES = ("ring", "ulysses", "usp", "auto")
+CP_MODES = ("ring", "ulysses", "usp")
 
 
 def sequence_split(options: TrainOptions) -> tuple[int, str]:
-    """(the Ulysses degree of the cp group, why): ring 1, ulysses cp, usp --ulysses-degree, auto the cost model's
-    fastest factorization for the model's heads, --seqlen and the hardware profile --hw."""
+    """(the Ulysses degree of the cp group, why): ring 1, ulysses cp, usp --ulysses-degree.  (`ringmoe train
+    --cp-mode auto` asks the cost model, ``sim.sequence_parallel.auto_cp_mode``, for one of these first.)"""
     cp, mode = options.cp, options.cp_mode
     if mode not in CP_MODES:
         raise ValueError(f"--cp-mode must be one of {CP_MODES}, got {mode!r}")
@@ -89,19 +88,12 @@ def sequence_split(options: TrainOptions) -> tuple[int, str]:
         if u is None or not 1 < u < cp or cp % u:
             raise ValueError(f"--cp-mode usp needs --ulysses-degree U with 1 < U < cp and cp % U == 0 "
                              f"(cp = {cp}), got {u}")
-        return u, f"usp: ulysses {u} x ring {cp // u} (asked)"
-    if mode == "auto":
-        from ..sim.hardware import hardware_profile
-        from ..sim.sequence_parallel import choose_sequence_parallel
-
-        best, _, reason = choose_sequence_parallel(_config(options), hardware_profile(options.hw), options.seqlen,
-                                                   cp, batch=max(1, options.rows // options.ep), ep=options.ep)
-        return best.ulysses, "auto: " + reason
+        return u, f"usp: ulysses {u} x ring {cp // u}"
     u = cp if mode == "ulysses" else 1
     return u, f"{mode}: ulysses {u} x ring {cp // u}"
 
 
-def _config(options: TrainOptions):
+def model_config(options: TrainOptions):
     """The preset with --vocab-size; without it, the preset's vocabulary raised to what a byte-level BPE needs at
     least (the tiny presets' 128 tokens are fewer than its 256-byte alphabet)."""
     config = preset(options.preset)
@@ -119,14 +111,14 @@ def validate(options: TrainOptions) -> None:
     if options.layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {LAYOUTS}")
     ulysses, _ = sequence_split(options)
-    config = _config(options)
+    config = model_config(options)
     try:
         check_heads(config.num_heads, config.num_heads if config.mla else config.num_kv_heads, ulysses)
     except ValueError as error:
         raise ValueError(f"--cp-mode {options.cp_mode} (ulysses {ulysses}): {error}") from None
     if options.minutes is not None and not options.minutes > 0:
         raise ValueError(f"--minutes must be > 0, got {options.minutes}")
-    if _config(options).num_experts % options.ep:
+    if model_config(options).num_experts % options.ep:
         raise ValueError(f"--ep ({options.ep}) must divide the model's experts")
     if options.resume:
         checkpoint.latest(options.out)  # a dangling or incomplete latest, a pickled checkpoint: refused here
@@ -148,10 +140,10 @@ def _prepare(options: TrainOptions, reuse_tokenizer: bool | None = None):
     reuse = options.resume if reuse_tokenizer is None else reuse_tokenizer
     if not (reuse and (folder / "tokenizer.json").is_file()):
         folder.mkdir(exist_ok=True)
-        train_tokenizer(train_texts, _config(options).vocab_size, folder)
+        train_tokenizer(train_texts, model_config(options).vocab_size, folder)
     tokenizer = Tokenizer(folder)
-    if tokenizer.vocab_size > _config(options).vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {_config(options).vocab_size}")
+    if tokenizer.vocab_size > model_config(options).vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model_config(options).vocab_size}")
     encode = lambda texts: [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # noqa: E731
     return encode(train_texts), encode(val_texts), tokenizer.eos_token_ids[0], folder
 
@@ -167,7 +159,7 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
 
     torch.manual_seed(options.seed)
     mesh = make_mesh(options.cp, options.ep, ulysses=sequence_split(options)[0])
-    config = _config(options)
+    config = model_config(options)
     model = MoETransformer(config, mesh, options.layout)
     model.init_weights(options.seed)
     settings = TrainConfig(rows=options.rows, lr=options.lr, warmup=options.warmup, steps=options.steps,

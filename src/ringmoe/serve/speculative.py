@@ -1,0 +1,167 @@
+"""Speculative decoding: a drafter proposes k tokens, the target model scores all k + 1 positions in one step.
+
+A running request whose next step would compute one token (its last sampled one) instead computes that token
+and k drafted ones as one multi-token item of the paged step (their K/V are written like a prompt chunk's).
+Row i of the item's logits is the target's distribution after draft i - 1; the drafts are checked in order by
+the rejection rule of speculative sampling, so the output follows the target distribution exactly:
+
+* draft d_i is accepted with probability min(1, p(d_i) / q(d_i)); a drafter that proposes one token
+  deterministically has q(d_i) = 1, so the test is u < p(d_i) with u ~ U(0, 1) (greedy: p is one-hot, so d_i is
+  accepted exactly when it is the argmax);
+* at the first rejection the token is drawn from the residual max(p - q, 0), renormalised: p without d_i;
+* when every draft is accepted, the last row gives one more token (the "bonus") as an ordinary draw.
+
+P(token = x) = p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d] = p(x): lossless.  The positions after the
+first rejection were computed for nothing: the request's ``num_computed`` counts only accepted tokens, so their
+K/V slots are overwritten by the next step, and prefix-cache hashes are taken only over accepted tokens.
+
+Drafters: ``NgramDrafter`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
+context's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``; vLLM's keys).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import NonFiniteLogits, SamplingParams, TokenChoice, truncated_probs
+
+__all__ = ["SpeculativeConfig", "NgramDrafter", "SpeculationStats", "verify_drafts", "can_speculate"]
+
+MAX_SPECULATIVE_TOKENS = 16
+MAX_LOOKUP = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` keys: method ("ngram"), num_speculative_tokens, prompt_lookup_min/max."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r} (multi-token "
+                             f"prediction and EAGLE drafters are not built yet)")
+        for name, high in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_min", MAX_LOOKUP),
+                           ("prompt_lookup_max", MAX_LOOKUP)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+                raise ValueError(f"speculative_config.{name} must be an int in [1, {high}], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict or a JSON object string -> a config; ValueError naming a bad key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config must be a JSON object: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {sorted(known)}")
+        return cls(**value)
+
+    def drafter(self) -> "NgramDrafter":
+        return NgramDrafter(self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n = max .. min) and
+    propose the tokens that followed it."""
+
+    def __init__(self, lookup_min: int, lookup_max: int):
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``tokens`` (none when no n-gram recurs)."""
+        length = len(tokens)
+        if k < 1 or length < 2:
+            return []
+        for n in range(min(self.lookup_max, length - 1), self.lookup_min - 1, -1):
+            suffix = tokens[length - n:]
+            last = suffix[-1]
+            # an occurrence ending at position end - 1 < length - 1, latest first, whose next token exists
+            for end in range(length - 1, n - 1, -1):
+                if tokens[end - 1] == last and tokens[end - n:end] == suffix:
+                    return tokens[end:end + k]
+        return []
+
+
+def can_speculate(params: SamplingParams, output_len: int, grammar: object | None) -> bool:
+    """Drafts are verified for requests whose rows follow the plain distribution (``SamplingParams.plain``: no
+    penalties, bias, top-p or top logprobs), one sample, no grammar and no banned tokens any more."""
+    return params.plain and params.n == 1 and grammar is None and output_len >= params.min_tokens
+
+
+def verify_drafts(drafts: list[int], logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator | None) -> list[TokenChoice]:
+    """The tokens a step with ``drafts`` yields: the accepted drafts, then one more (the correction at the first
+    rejection, or the bonus when all were accepted).  logits (len(drafts) + 1, V): row i is the target's
+    distribution after drafts[:i].  For ``can_speculate`` params only.  Raises NonFiniteLogits when a row is NaN
+    or +inf (the engine ends that request alone)."""
+    logits = logits.float()
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise NonFiniteLogits("the model produced NaN or inf logits for this request")
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = []
+    for i, draft in enumerate(drafts):
+        if params.greedy:
+            target = int(torch.argmax(logits[i]))
+            if target != draft:
+                chosen.append(TokenChoice(target, float(logprobs[i, target])))
+                return chosen
+        else:
+            probs = truncated_probs(logits[i], params)
+            accept = float(probs[draft])
+            if float(torch.rand((), generator=generator)) >= accept:  # rejected: draw from p without the draft
+                residual = probs.clone()
+                residual[draft] = 0.0
+                token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+                chosen.append(TokenChoice(token, float(logprobs[i, token])))
+                return chosen
+        chosen.append(TokenChoice(draft, float(logprobs[i, draft])))
+    last = logits[len(drafts)]
+    if params.greedy:
+        token = int(torch.argmax(last))
+    else:
+        token = int(torch.multinomial(truncated_probs(last, params), 1, generator=generator))
+    chosen.append(TokenChoice(token, float(logprobs[len(drafts), token])))
+    return chosen
+
+
+@dataclass
+class SpeculationStats:
+    """Counters with vLLM's meaning: drafts (requests x steps that carried drafts), draft tokens proposed,
+    accepted tokens, and accepted tokens per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        while len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.append(0)
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per drafted step: accepted drafts + the one every step yields."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

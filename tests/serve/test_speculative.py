@@ -1,0 +1,195 @@
+"""Speculative decoding: lossless (greedy tokens and their logprobs equal decoding without it, every family, one
+process and 1 x 2; the sampling rule keeps the target distribution), rollback keeps the cache consistent, and bad
+configurations are refused naming the key."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ringmoe.model import MoETransformer, preset
+from ringmoe.parallel import make_mesh
+from ringmoe.parallel.launch import spawn
+from ringmoe.serve import Engine, SamplingParams
+from ringmoe.serve.metrics import ServerMetrics
+from ringmoe.serve.speculative import NgramDrafter, SpeculationStats, SpeculativeConfig, verify_drafts
+
+PATTERN = [5, 9, 17, 33, 2, 7]
+PROMPTS = [PATTERN * 5, list(range(40, 60)) * 2, [3, 4] * 10 + [8], [11]]
+NEW = [24, 17, 20, 9]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def _model(family, seed=1, mesh=None):
+    model = MoETransformer(preset(family), mesh).double()
+    model.init_weights(seed, std=0.3)
+    return model
+
+
+class Oracle:
+    """Proposes the known continuation (every draft accepted); ``wrong`` shifts it (every draft rejected)."""
+
+    def __init__(self, prompts, continuations, wrong=False):
+        self.sequences, self.wrong = [p + c for p, c in zip(prompts, continuations)], wrong
+
+    def propose(self, tokens, k):
+        for full in self.sequences:
+            if full[:len(tokens)] == tokens:
+                drafts = full[len(tokens):len(tokens) + k]
+                return [(t + 1) % 64 for t in drafts] if self.wrong else drafts
+        return []
+
+
+def _decode(engine, prompts=PROMPTS, new=NEW, drafter=None, check_every_step=True, **params):
+    """Every request's tokens and chosen-token logprobs over the whole stream, the cache checked at each step."""
+    if drafter is not None:
+        engine.drafter = drafter
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, logprobs=0, **(params or {"temperature": 0})))
+           for p, n in zip(prompts, new)]
+    tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += [c.logprob for c in out.logprobs]
+        if check_every_step:
+            for group in engine.groups:
+                group.blocks.check_integrity()
+    for group in engine.groups:
+        assert group.blocks.usage == 0
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids]
+
+
+@pytest.mark.parametrize("family", ["tiny", "gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "deepseek-v3-tiny"])
+def test_greedy_tokens_and_logprobs_equal_decoding_without_speculation(family):
+    """Every draft accepted (an oracle drafter), every draft rejected, and n-gram lookup; a small cache that
+    preempts, and a token budget that cuts drafts: the same tokens, logprobs equal to 1e-10 (float64)."""
+    model = _model(family)
+    want, want_logprobs = _decode(Engine(model, block_size=4))
+    runs = [(dict(), Oracle(PROMPTS, want)), (dict(), Oracle(PROMPTS, want, wrong=True)), (dict(), None),
+            (dict(kv_cache_tokens=72, max_num_batched_tokens=10), Oracle(PROMPTS, want))]
+    for settings, drafter in runs:
+        engine = Engine(model, block_size=4, speculative_config=NGRAM, **settings)
+        got, logprobs = _decode(engine, drafter=drafter)
+        assert got == want, (settings, drafter)
+        assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+        stats = engine.spec_stats
+        if isinstance(drafter, Oracle):
+            assert stats.num_draft_tokens > 20
+            assert stats.num_accepted_tokens == (0 if drafter.wrong else stats.num_draft_tokens)
+        if "kv_cache_tokens" in settings:
+            assert engine.num_preemptions > 0
+
+
+def test_prefix_cache_entries_hold_only_accepted_tokens():
+    """After speculative requests, the same prompts + their outputs hit the cache for whole blocks and give the
+    same tokens: no hash was taken over a rejected draft."""
+    model = _model("tiny")
+    want, _ = _decode(Engine(model, block_size=4))
+    engine = Engine(model, block_size=4, speculative_config=NGRAM)
+    _decode(engine, drafter=Oracle(PROMPTS, want, wrong=True))
+    _decode(engine, drafter=Oracle(PROMPTS, want))
+    for block in engine.blocks.blocks:  # every cached block's tokens are a run of some real sequence
+        if block.hash is not None:
+            assert any(_contains(p + w, list(block.tokens)) for p, w in zip(PROMPTS, want)), block.tokens
+    hits = engine.blocks.hit_tokens
+    extended = [p + w[:-1] for p, w in zip(PROMPTS, want)]
+    again, _ = _decode(engine, extended, [1] * len(PROMPTS))
+    assert engine.blocks.hit_tokens - hits >= sum((len(p) - 1) // 4 * 4 for p in extended)
+    assert [a[0] for a in again] == [w[-1] for w in want]
+
+
+def _contains(sequence, run):
+    return any(sequence[i:i + len(run)] == run for i in range(0, len(sequence) - len(run) + 1, len(run)))
+
+
+def _mesh_rank(rank, world, want):
+    mesh = make_mesh(1, 2)
+    engine = Engine(_model("tiny", mesh=mesh), block_size=4, speculative_config=NGRAM)
+    if rank != 0:
+        engine.run_worker()
+        return None
+    got = _decode(engine, drafter=Oracle(PROMPTS, want), check_every_step=False)
+    engine.shutdown()
+    return got, engine.spec_stats.num_accepted_tokens
+
+
+def test_speculation_on_an_expert_parallel_mesh_gives_the_same_tokens():
+    want, want_logprobs = _decode(Engine(_model("tiny"), block_size=4))
+    (got, logprobs), accepted = spawn(_mesh_rank, 2, want, timeout=180)[0]
+    assert got == want and accepted > 0
+    assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+
+
+def _chi_square(counts, probs, draws):
+    return sum((counts[t] - draws * p) ** 2 / (draws * p) for t, p in enumerate(probs) if p > 0)
+
+
+@pytest.mark.parametrize("drafts", [[4, 4], [0, 2]])  # a bad drafter (unlikely tokens), a good one
+def test_the_acceptance_rule_keeps_the_target_distribution(drafts):
+    """First and second emitted tokens over 6,000 seeded draws against the target's own distributions (temperature,
+    top-k), for a deliberately bad drafter and a good one: chi-square below the 0.1% quantile."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0], [0.3, -0.5, 1.5, 0.0, -2.0], [1.0, 1.0, 0.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0.9, top_k=4)
+    from ringmoe.serve.sampling import truncated_probs
+
+    first = truncated_probs(logits[0], params).tolist()
+    generator = torch.Generator().manual_seed(7)
+    draws, counts, second_counts, second_draws = 6_000, [0] * 5, [0] * 5, 0
+    for _ in range(draws):
+        chosen = verify_drafts(drafts, logits, params, generator)
+        counts[chosen[0].token] += 1
+        if chosen[0].token == drafts[0]:  # the second token is drawn given the first was the draft
+            second_counts[chosen[1].token] += 1
+            second_draws += 1
+    assert _chi_square(counts, first, draws) < 18.47  # df 3-4, p = 0.001
+    if second_draws > 500:
+        second = truncated_probs(logits[1], params).tolist()
+        assert _chi_square(second_counts, second, second_draws) < 18.47
+
+
+def test_greedy_verification_accepts_exactly_the_argmax_prefix():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    greedy = SamplingParams(temperature=0)
+    assert [c.token for c in verify_drafts([1, 0], logits, greedy, None)] == [1, 0, 2]  # both, then the bonus
+    assert [c.token for c in verify_drafts([1, 2], logits, greedy, None)] == [1, 0]  # the correction
+    assert [c.token for c in verify_drafts([2, 0], logits, greedy, None)] == [1]
+    with pytest.raises(Exception, match="NaN"):
+        verify_drafts([1], torch.full((2, 3), float("nan")), greedy, None)
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    drafter = NgramDrafter(1, 3)
+    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest 3-gram match
+    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 5) == [7, 8, 1, 2, 3]
+    assert drafter.propose([5, 6, 7, 6], 3) == [7, 6]  # no 2-gram or 3-gram recurs: the 1-gram "6"
+    assert drafter.propose([1, 2, 3, 4], 3) == []
+    assert NgramDrafter(2, 3).propose([5, 6, 7, 6], 3) == []
+
+
+def test_bad_speculative_configs_are_refused_naming_the_key():
+    for config, match in [({"method": "mtp"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                          ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                          ({"draft_model": "x"}, "unsupported key"), ("not json", "JSON object"), ([1], "JSON object")]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.parse(config)
+    with pytest.raises(ValueError, match="deterministic"):
+        Engine(_model("tiny"), speculative_config=NGRAM, deterministic=True)
+
+
+def test_metrics_count_drafts_with_vllms_names():
+    from ringmoe.serve.engine import StepStats
+
+    metrics = ServerMetrics("m")
+    spec = SpeculationStats()
+    spec.record(3, 2)
+    spec.record(3, 0)
+    metrics.on_step(StepStats(speculation=spec), [])
+    text = metrics.render().decode()
+    for line in ('ringmoe:spec_decode_num_drafts_total{model_name="m"} 2.0',
+                 'ringmoe:spec_decode_num_draft_tokens_total{model_name="m"} 6.0',
+                 'ringmoe:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0',
+                 'ringmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0'):
+        assert line in text
+    assert math.isclose(spec.mean_accepted_length, 2.0)
