@@ -45,17 +45,19 @@ def run(path, prompt_ids, concurrency, new, spec, graph):
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     engine.generate(prompt_ids[:1], params)  # warm-up (the compiled graph is already built)
     accepted_before, drafts_before = engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_drafts
+    per_position_before = list(engine.spec_stats.accepted_per_position)
     start = time.perf_counter()
     outs = engine.generate(prompt_ids, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.output_ids) for o in outs)
     drafts = engine.spec_stats.num_drafts - drafts_before
     accepted = engine.spec_stats.num_accepted_tokens - accepted_before
-    stats = engine.spec_stats
+    per_position = [a - (per_position_before[i] if i < len(per_position_before) else 0)
+                    for i, a in enumerate(engine.spec_stats.accepted_per_position)]
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens,
             "drafted_steps": drafts, "accepted_tokens": accepted,
             "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance_per_position": [a / stats.num_drafts for a in stats.accepted_per_position] if drafts else [],
+            "acceptance_per_position": [a / drafts for a in per_position] if drafts else [],
             "compile_s": engine.compile_seconds}, [o.output_ids for o in outs]
 
 

@@ -166,6 +166,7 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert drafter.propose([5, 6, 7, 6], 3) == [7, 6]  # no 2-gram or 3-gram recurs: the 1-gram "6"
     assert drafter.propose([1, 2, 3, 4], 3) == []
     assert NgramDrafter(2, 3).propose([5, 6, 7, 6], 3) == []
+    assert drafter.propose([4, 4, 4, 4, 4, 4], 3) == [4, 4, 4]  # a loop: an occurrence with k tokens after it
 
 
 def test_bad_speculative_configs_are_refused_naming_the_key():

@@ -79,8 +79,9 @@ class SpeculativeConfig:
 
 
 class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n = max .. min) and
-    propose the tokens that followed it."""
+    """Prompt lookup: find an earlier occurrence of the context's last n tokens (n = max .. min) and propose the
+    tokens that followed it: the latest occurrence followed by k tokens, else the one followed by the most (in a
+    loop of period p the latest occurrence overlaps the suffix and only p tokens follow it)."""
 
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
@@ -92,11 +93,16 @@ class NgramDrafter:
             return []
         for n in range(min(self.lookup_max, length - 1), self.lookup_min - 1, -1):
             suffix = tokens[length - n:]
-            last = suffix[-1]
-            # an occurrence ending at position end - 1 < length - 1, latest first, whose next token exists
+            last, best = suffix[-1], []
+            # occurrences ending at position end - 1 < length - 1, latest first
             for end in range(length - 1, n - 1, -1):
                 if tokens[end - 1] == last and tokens[end - n:end] == suffix:
-                    return tokens[end:end + k]
+                    following = tokens[end:end + k]
+                    if len(following) == k:
+                        return following
+                    best = following if len(following) > len(best) else best
+            if best:
+                return best
         return []
 
 
