@@ -194,3 +194,22 @@ def test_metrics_count_drafts_with_vllms_names():
                  'ringmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0'):
         assert line in text
     assert math.isclose(spec.mean_accepted_length, 2.0)
+
+
+def test_a_server_with_speculation_streams_what_the_engine_writes_without_it(served_checkpoint):
+    """`ringmoe serve --speculative-config` through the openai client: the same greedy text as the engine without
+    speculation, and the drafts counted in /metrics."""
+    import json
+
+    from tests.served import MODEL, Server, metric
+
+    prompt = "def add(a, b):\n    return a + b\n" * 4
+    want = Engine.from_checkpoint(served_checkpoint).generate([prompt], SamplingParams(temperature=0, max_tokens=24))
+    server = Server(served_checkpoint, 1, 1, "--speculative-config", json.dumps(NGRAM))
+    try:
+        stream = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                  stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want[0].text
+        assert metric(server.url, "ringmoe:spec_decode_num_drafts_total") > 0
+    finally:
+        server.stop()
