@@ -122,25 +122,27 @@ class _Exchange:
         return [torch.cat([got[i][n] for i in range(self.size)], dim=2) for n in range(len(tensors))]
 
 
-def _check_agree(ulysses_group, ring_group, info: list[int], what: str) -> None:
+def _check_agree(ulysses_group, ring_group, info: list[int], what: str, device: torch.device) -> None:
     """ValueError on every rank of the U x R grid unless all ranks passed the same ``info``.
 
     Two small all-gathers, before any data moves: first inside the Ulysses group, then inside the ring
     group carrying a flag for a disagreement seen in the first.  Every rank's ring group holds one member
-    of every Ulysses group, so a disagreement anywhere reaches every rank and all raise together."""
+    of every Ulysses group, so a disagreement anywhere reaches every rank and all raise together.  (``device``:
+    where the collective's tensors live, the inputs' device: NCCL needs them on the GPU.)"""
     seen = []
     bad = False
-    for group, extra in ((ulysses_group, None), (ring_group, 0)):
+    for group in (ulysses_group, ring_group):
         if _size(group) == 1:
             continue
-        mine = torch.tensor(info + ([] if extra is None else [int(bad)]), dtype=torch.int64)
+        mine = torch.tensor(info + [int(bad)], dtype=torch.int64, device=device)  # last: a disagreement seen so far
         every = [torch.empty_like(mine) for _ in range(_size(group))]
         dist.all_gather(every, mine, group=group)
         rows = [e.tolist() for e in every]
-        seen += [r[:len(info)] for r in rows]
-        bad = bad or any(r[:len(info)] != info for r in rows) or (extra is not None and any(r[-1] for r in rows))
+        seen += [r[:-1] for r in rows]
+        bad = any(r[:-1] != info or r[-1] for r in rows)
     if bad:
-        raise ValueError(f"every rank of the Ulysses x ring group must pass {what}; got {sorted(set(map(tuple, seen)))}")
+        raise ValueError(f"every rank of the Ulysses x ring group must pass {what}; "
+                         f"got {sorted(set(map(tuple, seen)))}")
 
 
 def _reordered(tensors, order: torch.Tensor):
@@ -281,7 +283,8 @@ def usp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     """
     spec = _validate(q, k, v, sinks, ulysses_group, ring_group, backend, softmax_scale, causal, window_size, softcap)
     check_local_length(q.shape[1], layout)
-    _check_agree(ulysses_group, ring_group, [*q.shape, *k.shape, _DTYPE_CODES[q.dtype]], "q, k, v of one shape and dtype")
+    _check_agree(ulysses_group, ring_group, [*q.shape, *k.shape, _DTYPE_CODES[q.dtype]],
+                 "q, k, v of one shape and dtype", q.device)
     u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
     geometry = _dense_geometry(q.shape[1], layout, u, r, ring_rank, causal, window_size)
     heads = q.shape[2] // u
@@ -312,7 +315,7 @@ def usp_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     spec = _validate(q, k, v, sinks, ulysses_group, ring_group, backend, softmax_scale, causal, window_size, 0.0)
     bounds = _documents(cu_seqlens, max_seqlen, q.shape[0], layout, ulysses_group, ring_group)
     _check_agree(ulysses_group, ring_group, [*_digest(bounds), *q.shape[1:], *k.shape[1:], _DTYPE_CODES[q.dtype]],
-                 "the same global cu_seqlens, heads and dtype")
+                 "the same global cu_seqlens, heads and dtype", q.device)
     u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
     geometry = _varlen_geometry(bounds, layout, u, r, ring_rank, causal, window_size)
     heads = q.shape[1] // u
@@ -377,12 +380,12 @@ def usp_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tenso
     if packed:
         bounds = _documents(cu_seqlens, max_seqlen, length, layout, ulysses_group, ring_group)
         _check_agree(ulysses_group, ring_group, [*_digest(bounds), heads, qk, rank_, rope, _DTYPE_CODES[q.dtype]],
-                     "the same global cu_seqlens, MLA shapes and dtype")
+                     "the same global cu_seqlens, MLA shapes and dtype", q.device)
         geometry = _varlen_geometry(bounds, layout, u, r, ring_rank, causal, (-1, -1))
     else:
         check_local_length(length, layout)
         _check_agree(ulysses_group, ring_group, [*q.shape, rank_, rope, _DTYPE_CODES[q.dtype]],
-                     "q, latent, k_rope of one shape and dtype")
+                     "q, latent, k_rope of one shape and dtype", q.device)
         geometry = _dense_geometry(length, layout, u, r, ring_rank, causal, (-1, -1))
     mine = heads // u
     weight = kv_b_weight.view(heads, nope + v_head_dim, rank_)[me * mine:(me + 1) * mine].reshape(-1, rank_)
