@@ -26,7 +26,7 @@ from .ring import RingStats, _Ring, check_same_shapes, dense_plan
 from .varlen import varlen_plan
 from .watchdog import activity
 
-__all__ = ["ring_mla_attn_func", "LatentBlocks", "run_latent_ring"]
+__all__ = ["ring_mla_attn_func", "LatentBlocks", "run_latent_ring", "check_mla_inputs"]
 
 
 class LatentBlocks:
@@ -110,9 +110,8 @@ def ring_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tens
                      backend, stats, None)
 
 
-def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout, softmax_scale, return_lse, backend,
-              stats, documents):
-    """ring_mla_attn_func on (batch, len, ...) inputs; ``documents`` = (cu_seqlens, max_seqlen) or None."""
+def check_mla_inputs(q, latent, k_rope, kv_b_weight, v_head_dim: int) -> tuple[int, int]:
+    """ValueError naming the argument unless (batch, len, ...) MLA inputs fit together; (heads, nope width)."""
     for name, x, dims in (("q", q, 4), ("latent", latent, 3), ("k_rope", k_rope, 3), ("kv_b_weight", kv_b_weight, 2)):
         if not isinstance(x, torch.Tensor) or x.dim() != dims:
             raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -129,6 +128,14 @@ def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout,
                          f"{(heads * (nope + v_head_dim), latent.shape[-1])}, got {tuple(kv_b_weight.shape)}")
     if not (q.dtype == latent.dtype == k_rope.dtype):
         raise ValueError(f"q, latent, k_rope must share a dtype, got {q.dtype}, {latent.dtype}, {k_rope.dtype}")
+    return heads, nope
+
+
+def _ring_mla(q, latent, k_rope, kv_b_weight, v_head_dim, group, causal, layout, softmax_scale, return_lse, backend,
+              stats, documents):
+    """ring_mla_attn_func on (batch, len, ...) inputs; ``documents`` = (cu_seqlens, max_seqlen) or None."""
+    check_mla_inputs(q, latent, k_rope, kv_b_weight, v_head_dim)
+    length, qk = q.shape[1], q.shape[3]
     check_backend(backend)
     spec = make_spec(qk, softmax_scale, causal, (-1, -1), 0.0)
     block = torch.cat([latent, k_rope], dim=-1)

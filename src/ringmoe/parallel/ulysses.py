@@ -42,8 +42,8 @@ from ..attention.sinks import check_sinks
 from .exchange import start_all_to_all
 from .layout import Segment, check_local_length, segments
 from .ring import RingPlan, RingStats, _DTYPE_CODES, _Ring, check_window_backend, run_ring
-from .ring_mla import LatentBlocks, run_latent_ring
-from .varlen import varlen_positions, varlen_segments
+from .ring_mla import LatentBlocks, check_mla_inputs, run_latent_ring
+from .varlen import documents_digest, varlen_positions, varlen_segments
 from .watchdog import activity
 
 __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func",
@@ -262,10 +262,6 @@ def _documents(cu_seqlens, max_seqlen, rows: int, layout: str, ulysses_group, ri
     return bounds
 
 
-def _digest(bounds: list[int]) -> list[int]:
-    return [len(bounds), bounds[-1], sum((i + 1) * b for i, b in enumerate(bounds)) % (2**61 - 1)]
-
-
 def usp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: dist.ProcessGroup | None,
                   ring_group: dist.ProcessGroup | None = None, causal: bool = True, layout: str = "zigzag",
                   softmax_scale: float | None = None, return_lse: bool = False, backend: str = "auto",
@@ -314,7 +310,8 @@ def usp_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     of ``flash_attn_varlen_func`` over the whole packed batch.  ValueError before any exchange on bad input."""
     spec = _validate(q, k, v, sinks, ulysses_group, ring_group, backend, softmax_scale, causal, window_size, 0.0)
     bounds = _documents(cu_seqlens, max_seqlen, q.shape[0], layout, ulysses_group, ring_group)
-    _check_agree(ulysses_group, ring_group, [*_digest(bounds), *q.shape[1:], *k.shape[1:], _DTYPE_CODES[q.dtype]],
+    _check_agree(ulysses_group, ring_group,
+                 [*documents_digest(bounds), *q.shape[1:], *k.shape[1:], _DTYPE_CODES[q.dtype]],
                  "the same global cu_seqlens, heads and dtype", q.device)
     u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
     geometry = _varlen_geometry(bounds, layout, u, r, ring_rank, causal, window_size)
@@ -357,21 +354,8 @@ def usp_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tenso
         if not all(isinstance(x, torch.Tensor) and x.dim() == d for x, d in ((q, 3), (latent, 2), (k_rope, 2))):
             raise ValueError("with cu_seqlens, q must be (tokens, heads, dim), latent and k_rope (tokens, width)")
         q, latent, k_rope = q[None], latent[None], k_rope[None]
-    for name, x, dims in (("q", q, 4), ("latent", latent, 3), ("k_rope", k_rope, 3), ("kv_b_weight", kv_b_weight, 2)):
-        if not isinstance(x, torch.Tensor) or x.dim() != dims:
-            raise ValueError(f"{name} must be a {dims}-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
-    batch, length, heads, qk = q.shape
-    rank_, rope = latent.shape[-1], k_rope.shape[-1]
-    nope = qk - rope
-    if latent.shape[:2] != (batch, length) or k_rope.shape[:2] != (batch, length):
-        raise ValueError(f"latent {tuple(latent.shape)} and k_rope {tuple(k_rope.shape)} must hold q's "
-                         f"(batch, local_len) = {(batch, length)}")
-    if nope < 0 or not 1 <= v_head_dim <= qk or tuple(kv_b_weight.shape) != (heads * (nope + v_head_dim), rank_):
-        raise ValueError(f"kv_b_weight must be (heads * (nope + v_head_dim), kv_lora_rank) = "
-                         f"{(heads * (nope + v_head_dim), rank_)} with nope = q's width - rope = {nope}, "
-                         f"got {tuple(kv_b_weight.shape)}")
-    if not (q.dtype == latent.dtype == k_rope.dtype):
-        raise ValueError(f"q, latent, k_rope must share a dtype, got {q.dtype}, {latent.dtype}, {k_rope.dtype}")
+    heads, nope = check_mla_inputs(q, latent, k_rope, kv_b_weight, v_head_dim)
+    length, qk, rank_, rope = q.shape[1], q.shape[3], latent.shape[-1], k_rope.shape[-1]
     check_backend(backend)
     check_heads(heads, 1, _size(ulysses_group))
     spec = make_spec(qk, softmax_scale, causal, (-1, -1), 0.0)
@@ -379,7 +363,8 @@ def usp_mla_attn_func(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tenso
     u, r, ring_rank, me = _ranks(ulysses_group, ring_group)
     if packed:
         bounds = _documents(cu_seqlens, max_seqlen, length, layout, ulysses_group, ring_group)
-        _check_agree(ulysses_group, ring_group, [*_digest(bounds), heads, qk, rank_, rope, _DTYPE_CODES[q.dtype]],
+        _check_agree(ulysses_group, ring_group,
+                     [*documents_digest(bounds), heads, qk, rank_, rope, _DTYPE_CODES[q.dtype]],
                      "the same global cu_seqlens, MLA shapes and dtype", q.device)
         geometry = _varlen_geometry(bounds, layout, u, r, ring_rank, causal, (-1, -1))
     else:

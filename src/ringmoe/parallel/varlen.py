@@ -106,13 +106,17 @@ def unshard_varlen(locals_: Sequence[torch.Tensor], cu_seqlens, layout: str = "z
     return full
 
 
+def documents_digest(bounds: list[int]) -> list[int]:
+    """Three ints that differ, in practice, between any two different prefix sums (compared across ranks)."""
+    return [len(bounds), bounds[-1], sum((i + 1) * b for i, b in enumerate(bounds)) % (2**61 - 1)]
+
+
 def _check_same_documents(group, bounds: list[int], q: torch.Tensor) -> None:
     """ValueError on every rank unless all ranks passed the same cu_seqlens, heads and head_dim."""
     world = dist.get_world_size(group)
     if world == 1:
         return
-    digest = sum((i + 1) * b for i, b in enumerate(bounds)) % (2**61 - 1)
-    mine = torch.tensor([len(bounds), bounds[-1], digest, q.shape[1], q.shape[2]], dtype=torch.int64, device=q.device)
+    mine = torch.tensor([*documents_digest(bounds), q.shape[1], q.shape[2]], dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     if any(not torch.equal(e, every[0]) for e in every):
