@@ -93,14 +93,17 @@ def host_share(engine: Engine, steps: int) -> float:
     return max(0.0, 1.0 - compute / wall)
 
 
-def measure(model: MoETransformer, batch: int, steps: int, mode: str, max_num_seqs: int = 64) -> dict:
-    engine = Engine(model, kv_cache_tokens=batch * (PROMPT + 3 * steps + 32) + 256,
+def measure(model: MoETransformer, batch: int, steps: int, mode: str, max_num_seqs: int = 64, prompt: int = PROMPT,
+            **engine_options) -> dict:
+    """The median decode step of ``batch`` requests with ``prompt``-token prompts (engine_options: e.g.
+    kv_cache_dtype)."""
+    engine = Engine(model, kv_cache_tokens=batch * (prompt + 3 * steps + 32) + 256,
                     max_num_seqs=max(max_num_seqs, batch),
-                    max_num_batched_tokens=max(2048, batch * PROMPT), decode_graph=mode)
+                    max_num_batched_tokens=max(2048, batch * prompt), decode_graph=mode, **engine_options)
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(torch.randint(0, model.config.vocab_size, (PROMPT,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, model.config.vocab_size, (prompt,), generator=gen).tolist(), params)
     while engine.last_stats.num_sequences != batch or engine.last_stats.batch_tokens != batch:
         engine.step()  # prefill, until a step is one decode per request
     for _ in range(8):  # warm-up
@@ -111,7 +114,7 @@ def measure(model: MoETransformer, batch: int, steps: int, mode: str, max_num_se
         times.append(engine.last_stats.step_s)
     share = host_share(engine, steps // 2)
     step_s = statistics.median(times)
-    flops, weight_bytes = step_cost(model, batch, PROMPT + 8 + steps)
+    flops, weight_bytes = step_cost(model, batch, prompt + 8 + steps)
     return {"batch": batch, "mode": mode, "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s, "flops": flops,
             "weight_bytes": weight_bytes, "host_overhead_share": share, "compile_s": engine.compile_seconds}
 

@@ -22,6 +22,13 @@ Reported:
 And, from the configs alone, the weight bytes per rank of DeepSeek-V3 (671B) and Qwen3-30B-A3B at
 several expert-parallel sizes, bf16 against their shipped FP8.
 
+The FP8 KV cache (``--kv-cache-dtype fp8``) on the qwen3-moe float checkpoint (float32) and on DeepSeek-V3-tiny's
+latent cache: bytes per cached token (float32 / bfloat16 / fp8), the decode step with each cache at batch 1 and 32
+(64-token prompts) and at batch 8 with 1024-token prompts (where reading the cache weighs more), and accuracy:
+teacher-forced on the fp8 engine's greedy tokens, the median relative logit error vs the float64 model, beside
+the same model with K/V plainly cast to float8 (flash-attn's rule compares the two), and how many of 4 x 32 greedy
+tokens equal the float cache's before the first difference.
+
 Writes benchmarks/results/quant.json and quant.png.
 
     python benchmarks/bench_quant.py [--steps 32] [--batches 1,32]
@@ -30,6 +37,8 @@ Writes benchmarks/results/quant.json and quant.png.
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import logging
 import statistics
 import sys
@@ -43,9 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import measure  # noqa: E402
 from common import pyplot, write_results  # noqa: E402
 
-from ringmoe.model import load_checkpoint, save_pretrained  # noqa: E402
+from ringmoe.attention import flash_attn_func  # noqa: E402
+from ringmoe.model import MoETransformer, load_checkpoint, preset, save_pretrained  # noqa: E402
 from ringmoe.model.config import PRESETS  # noqa: E402
 from ringmoe.quant import QuantScheme  # noqa: E402
+from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, EXPERTS, FFN = 4096, 512, 4, 16, 256
 
@@ -143,6 +154,83 @@ def bench_family(family: str, method: str, batches: list[int], steps: int) -> di
             "ringmoe_vs_transformers_same_file_max_abs_diff": same_file}
 
 
+class PlainFp8Attention:
+    """Dense attention on K/V cast to float8_e4m3fn and back (scale 1): plain PyTorch on an fp8 cache."""
+
+    latent_ring = False
+
+    def __init__(self, model):
+        self.model, self.absorbed = model, model.config.mla
+
+    def attend(self, layer, q, k, v):
+        k, v = (t.to(torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
+        return flash_attn_func(q, k, v, causal=True, **self.model.attention_options(layer))
+
+
+def greedy(model, prompts, new: int, **options) -> tuple[list[list[int]], list[torch.Tensor]]:
+    engine = Engine(model, return_logits=True, **options)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in prompts]
+    outs = {i: [] for i in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return [outs[i][-1].output_ids for i in ids], [torch.stack([o.logits for o in outs[i]]) for i in ids]
+
+
+def kv_accuracy(model, exact) -> dict:
+    """The fp8 cache's logits vs the float64 model, teacher-forced on its own greedy tokens, beside plain fp8 K/V."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (48, 64, 80, 96)]
+    tokens, logits = greedy(model, prompts, 32, kv_cache_dtype="fp8")
+    float_tokens, _ = greedy(model, prompts, 32)
+    ours, plain, want = [], [], []
+    with torch.no_grad():
+        for prompt, out, got in zip(prompts, tokens, logits):
+            ids = torch.tensor([prompt + out[:-1]])
+            rows = slice(len(prompt) - 1, None)
+            want.append(exact(ids)[0, rows])
+            ours.append(got.double())
+            plain.append(model(ids, attention=PlainFp8Attention(model))[0, rows].double())
+    reference = torch.cat(want)
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(tokens, float_tokens)]
+    return {"fp8_cache": accuracy(torch.cat(ours), reference), "plain_fp8_kv": accuracy(torch.cat(plain), reference),
+            "max_abs_error_fp8_cache": (torch.cat(ours) - reference).abs().max().item(),
+            "max_abs_error_plain_fp8_kv": (torch.cat(plain) - reference).abs().max().item(),
+            "greedy_tokens_equal_before_first_difference": same, "greedy_tokens_per_request": 32}
+
+
+def bench_kv_cache(path: Path | None, batches: list[int], steps: int) -> dict:
+    """The FP8 KV cache against the float32 one: bytes, accuracy, decode steps (see the module's docstring)."""
+    if path is None:  # DeepSeek-V3-tiny's latent cache
+        name = "deepseek-v3-tiny"
+        model = MoETransformer(preset(name))
+        model.init_weights(0)
+        model, exact = model.float().eval(), copy.deepcopy(model).double().eval()
+    else:
+        name = "qwen3-moe"
+        model, exact = load_checkpoint(path, dtype=torch.float32), load_checkpoint(path, dtype=torch.float64)
+    row = {"model": name, "bytes_per_token": {}, "decode": []}
+    for cache in ("auto", "fp8"):
+        engine = Engine(model, kv_cache_tokens=64, kv_cache_dtype=cache)
+        row["bytes_per_token"]["float32" if cache == "auto" else "fp8"] = engine.runner.bytes_per_token
+    row["bytes_per_token"]["bfloat16"] = row["bytes_per_token"]["float32"] // 2
+    row["accuracy"] = kv_accuracy(model, exact)
+    shapes = [(batch, 64) for batch in batches] + [(8, 1024)]
+    for batch, prompt in shapes if path is not None else []:
+        for cache in ("auto", "fp8"):
+            for mode in ("off", "compiled"):
+                torch._dynamo.reset()
+                result = measure(model, batch, steps, mode, max_num_seqs=batch, prompt=prompt, kv_cache_dtype=cache)
+                row["decode"].append({"kv_cache_dtype": cache, "batch": batch, "prompt": prompt, "mode": mode,
+                                      "step_ms": result["step_ms"], "tokens_per_s": result["tokens_per_s"]})
+                print(f"kv cache {cache:4s} batch {batch:3d} prompt {prompt:5d} {mode:8s} {result['step_ms']:7.2f} ms")
+    acc = row["accuracy"]
+    print(f"{name}: bytes/token {row['bytes_per_token']}; median rel logit error fp8 cache "
+          f"{acc['fp8_cache']['median_rel_error']:.4f} vs plain fp8 K/V {acc['plain_fp8_kv']['median_rel_error']:.4f}; "
+          f"greedy tokens equal before the first difference {acc['greedy_tokens_equal_before_first_difference']}")
+    return row
+
+
 def published_models() -> list[dict]:
     """Weight bytes per rank of shipped FP8 models against bf16, from their configs (experts split over ep)."""
     rows = []
@@ -187,14 +275,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--only", choices=["weights", "kv"], default=None, help="one part (the other is kept from "
+                        "the last quant.json)")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(2)
     batches = [int(b) for b in args.batches.split(",")]
-    families = [bench_family("qwen3-moe", "fp8", batches, args.steps),
-                bench_family("gpt-oss", "mxfp4", batches, args.steps)]
+    last = Path(__file__).resolve().parent / "results" / "quant.json"
+    kept = json.loads(last.read_text()) if args.only and last.is_file() else {}
+    if args.only == "kv":
+        families = kept["families"]
+    else:
+        families = [bench_family("qwen3-moe", "fp8", batches, args.steps),
+                    bench_family("gpt-oss", "mxfp4", batches, args.steps)]
+    if args.only == "weights":
+        kv_cache = kept.get("kv_cache")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            float_path, _ = make_checkpoints("qwen3-moe", "fp8", Path(tmp))
+            kv_cache = [bench_kv_cache(float_path, batches, args.steps), bench_kv_cache(None, batches, args.steps)]
     data = {"sizes": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "experts": EXPERTS, "expert_ffn": FFN},
-            "threads": 2, "families": families, "published_models": published_models()}
+            "threads": 2, "families": families, "published_models": published_models(), "kv_cache": kv_cache}
     for row in data["published_models"]:
         print(f"{row['model']:14s} ep {row['ep']:2d}: bf16 {row['bf16_gb']:7.1f} GB/rank, "
               f"fp8 {row['fp8_gb']:7.1f} GB/rank")

@@ -154,3 +154,14 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return self.proc.returncode, err
+
+
+def served_greedy_texts(checkpoint, flags: tuple[str, ...], prompts: list[str], max_tokens: int) -> list[str]:
+    """The greedy completions (ignore_eos) of ``prompts`` from `ringmoe serve <flags>` on one rank, through the
+    openai client; the server is stopped before returning."""
+    server = Server(checkpoint, 1, 1, *flags)
+    try:
+        return [server.client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0,
+                                                 extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    finally:
+        server.stop()

@@ -19,7 +19,8 @@ LAYERS = {"attention": 1, "quant": 1, "parallel": 2, "moe": 3, "model": 4, "text
           "apps": 7, "cli": 8}
 LAZY_ALLOWED = {"ringmoe.cli": None,                                                # every command's job
                 "ringmoe.attention.kernels": {"ringmoe.attention.triton_flash"},     # optional Triton
-                "ringmoe.attention.paged": {"ringmoe.attention.triton_flash", "ringmoe.attention.triton_paged"}}
+                "ringmoe.attention.paged": {"ringmoe.attention.triton_flash", "ringmoe.attention.triton_paged"},
+                "ringmoe.quant.matmul": {"ringmoe.quant.triton_gemm"}}
 
 
 def _modules() -> dict[str, Path]:

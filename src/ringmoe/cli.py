@@ -205,6 +205,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per step per ep group")
     serve.add_argument("--kv-cache-tokens", type=_positive, default=65536, help="KV cache per rank, in tokens")
     serve.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    serve.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,fp8_e4m3}",
+                       help="auto: K/V cached in --dtype; fp8 / fp8_e4m3: one byte per value (e4m3 codes, per-layer "
+                            "scales measured at start-up), decoded as attention reads them")
     serve.add_argument("--max-model-len", type=_positive, default=None, help="prompt + output limit")
     serve.add_argument("--max-waiting", type=_positive, default=1024, help="waiting requests before 429")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
@@ -432,7 +435,8 @@ def _serve(args) -> int:
                            port=args.port, speculative_config=args.speculative_config,
                            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                           block_size=args.block_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+                           block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                           max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                            deterministic=args.deterministic, enforce_eager=args.enforce_eager, dtype=args.dtype,
                            quantization=args.quantization, threads=args.threads,
                            limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),

@@ -355,16 +355,10 @@ def test_ringmoe_serve_quantization_serves_the_quantized_models_answers(served_c
     """`ringmoe serve --quantization fp8` on a float checkpoint, over HTTP with the openai client: the greedy
     answers of the in-process engine that quantized the same checkpoint."""
     from ringmoe.serve import Engine, SamplingParams
-    from tests.served import MODEL, Server
+    from tests.served import served_greedy_texts
 
     prompts, params = ["def add(a, b):", "The quick brown"], SamplingParams(temperature=0, max_tokens=10,
                                                                             ignore_eos=True)
     want = [o.text for o in Engine.from_checkpoint(served_checkpoint, quantization="fp8",
                                                    kv_cache_tokens=256).generate(prompts, params)]
-    server = Server(served_checkpoint, 1, 1, "--quantization", "fp8")
-    try:
-        got = [server.client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0,
-                                                extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
-    finally:
-        server.stop()
-    assert got == want
+    assert served_greedy_texts(served_checkpoint, ("--quantization", "fp8"), prompts, 10) == want

@@ -117,3 +117,19 @@ def test_serve_refuses_a_ulysses_degree_that_does_not_fit(checkpoint, capsys):
     assert "--ulysses-degree (3) must divide --cp (2)" in capsys.readouterr().err
     assert main(["serve", "--model", str(checkpoint[0]), "--cp", "8", "--ulysses-degree", "8"]) == 2
     assert "--ulysses-degree: q heads" in capsys.readouterr().err
+
+
+def test_fp8_kv_cache_on_a_mesh_equals_one_process(checkpoint):
+    """FP8 KV cache on a 2x2 mesh: the ring prefill attends to K/V as the cache holds them (their e4m3 round trip),
+    each cp rank caches codes of the positions it keeps and decodes merge the ranks' partials over them: the
+    greedy tokens of the one-process fp8 engine."""
+    path, _ = checkpoint
+    settings = dict(block_size=4, kv_cache_dtype="fp8")
+    tokens, *_ = spawn(_serve_rank, 4, str(path), 2, 2, "zigzag", settings, -1, timeout=240, stall_timeout=60)[0]
+    engine = Engine(load_checkpoint(path, dtype=torch.float64), **settings)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n)) for p, n in zip(_prompts(), NEW)]
+    finals = {}
+    while engine.has_unfinished:
+        finals.update({out.request_id: out.output_ids for out in engine.step() if out.finished})
+    assert engine.runner.k_cache[0].dtype == torch.uint8
+    assert tokens == [finals[i] for i in ids]

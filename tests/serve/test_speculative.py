@@ -82,6 +82,31 @@ def test_greedy_tokens_and_logprobs_equal_decoding_without_speculation(family):
             assert engine.num_preemptions > 0
 
 
+@pytest.mark.parametrize("family, mode", [("tiny", "static"), ("gpt-oss-tiny", "static"),
+                                          pytest.param("tiny", "compiled", marks=pytest.mark.slow)])
+def test_the_decode_graph_verifies_drafts(family, mode):
+    """Drafts verified by the fixed-shape decode step (a token and its drafts as rows that see each other
+    causally; windows and sinks with gpt-oss), compiled or not: every draft accepted, every one rejected, n-gram
+    lookup and a cache that preempts give the tokens of decoding without speculation, float64 logprobs to 1e-10
+    (the fixed-shape step; the compiled one to float32 rounding of the logits)."""
+    model = _model(family)
+    want, want_logprobs = _decode(Engine(model, block_size=4))
+    tolerance = 1e-10 if mode == "static" else 1e-5
+    runs = [(dict(), Oracle(PROMPTS, want)), (dict(), Oracle(PROMPTS, want, wrong=True)), (dict(), None),
+            (dict(kv_cache_tokens=72), Oracle(PROMPTS, want))]
+    for settings, drafter in runs:
+        engine = Engine(model, block_size=4, speculative_config=NGRAM, decode_graph=mode, max_num_seqs=4, **settings)
+        got, logprobs = _decode(engine, drafter=drafter)
+        assert got == want, (settings, drafter)
+        assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < tolerance
+        graph = engine.runner.decode_graph
+        assert graph.steps > 0
+        if isinstance(drafter, Oracle):  # the graph verified drafts (and, with the oracle, most of them)
+            assert graph.drafts_verified > 0.5 * engine.spec_stats.num_draft_tokens > 10
+        if "kv_cache_tokens" in settings:
+            assert engine.num_preemptions > 0
+
+
 def test_prefix_cache_entries_hold_only_accepted_tokens():
     """After speculative requests, the same prompts + their outputs hit the cache for whole blocks and give the
     same tokens: no hash was taken over a rejected draft."""

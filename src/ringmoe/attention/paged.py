@@ -1,6 +1,8 @@
 """Attention of packed new tokens against a paged KV cache (flash-attn's ``block_table`` convention).
 
-k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim).  Sequence b owns the blocks
+k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), in the model's dtype, or uint8 e4m3 codes (the FP8
+KV cache: ``kv_scales`` = (k_scale, v_scale), 0-dim float32 tensors, and a cached value is code x scale; blocks are
+decoded as they are gathered, so only the keys a call reads exist in floats).  Sequence b owns the blocks
 ``block_table[b, :ceil(cache_seqlens[b] / block_size)]`` in order; its keys are positions
 0 .. cache_seqlens[b] - 1 (the new tokens' K/V already written), and its queries are the rows
 cu_seqlens_q[b] : cu_seqlens_q[b + 1] of q, the *last* positions of the sequence: the causal mask
@@ -13,12 +15,21 @@ import importlib.util
 
 import torch
 
+from ..float8 import decode_e4m3
 from .api import flash_attn_func
 from .sinks import add_sinks
 
-__all__ = ["paged_attention", "paged_decode", "invariant_causal_attention"]
+__all__ = ["paged_attention", "paged_decode", "invariant_causal_attention", "read_cache"]
 
 KEY_TILE = 128
+
+
+def read_cache(cache: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``index`` of a cache (num_blocks, block_size, heads, D) -> (len(index), block_size, heads, D) in
+    ``dtype``: decoded from e4m3 codes with ``scale`` when the cache holds them (scale not None)."""
+    blocks = cache.index_select(0, index)
+    return blocks.to(dtype) if scale is None else decode_e4m3(blocks, scale, dtype)
 
 
 def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int = 16,
@@ -78,7 +89,8 @@ def invariant_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: list[int],
                     cache_seqlens: list[int], block_tables: list[list[int]], backend: str = "auto",
                     deterministic: bool | list[bool] = False, window_size: tuple[int, int] = (-1, -1),
-                    sinks: torch.Tensor | None = None, batch_decodes: bool = True) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, batch_decodes: bool = True,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q (total_q, heads, head_dim) -> out (total_q, heads, head_dim), causal within each sequence.
 
     backend "triton" (or "auto" on CUDA) runs the fused paged kernel (``triton_paged``), which reads
@@ -88,7 +100,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     window_size (flash-attn's, causal: (left, 0)) and sinks (heads,): as ``flash_attn_func`` (the fused
     kernel has neither: the gathered path runs them).  Sequences with one new token (decoding) run
     together, grouped by context length (``_buckets``); ``batch_decodes=False`` runs each alone, so its arithmetic never depends on
-    the others (the engine's deterministic mode).
+    the others (the engine's deterministic mode).  kv_scales: the FP8 cache's scales (see the module's docstring).
     """
     block_size = k_cache.shape[1]
     if len(cu_seqlens_q) != len(cache_seqlens) + 1 or len(block_tables) != len(cache_seqlens):
@@ -96,14 +108,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fixed = deterministic if isinstance(deterministic, list) else [deterministic] * len(cache_seqlens)
     plain = window_size == (-1, -1) and sinks is None
     if not any(fixed) and plain and _use_triton(backend, q):
-        return _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables)
+        return _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables, kv_scales)
     out = torch.empty_like(q)
     singles = [b for b, context in enumerate(cache_seqlens)
                if cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1 and not fixed[b]]
     for group in (_buckets(singles, cache_seqlens, block_size) if batch_decodes else [[b] for b in singles]):
         rows = [cu_seqlens_q[b] for b in group]  # one new token per sequence (decoding)
         out[rows] = _decode_batch(q[rows], k_cache, v_cache, [cache_seqlens[b] for b in group],
-                                  [block_tables[b] for b in group], window_size[0], sinks)
+                                  [block_tables[b] for b in group], window_size[0], sinks, kv_scales)
     done = set(singles)
     for b, context in enumerate(cache_seqlens):
         q0, q1 = cu_seqlens_q[b], cu_seqlens_q[b + 1]
@@ -114,8 +126,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # entries given back under a sliding window (-1) read block 0 instead: those keys are masked
         blocks = torch.tensor(block_tables[b][: -(-context // block_size)], dtype=torch.long, device=q.device)
         blocks = blocks.clamp(min=0)
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:context]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
+        k_scale, v_scale = kv_scales or (None, None)
+        k = read_cache(k_cache, blocks, k_scale, q.dtype).flatten(0, 1)[:context]
+        v = read_cache(v_cache, blocks, v_scale, q.dtype).flatten(0, 1)[:context]
         if min(block_tables[b][: -(-context // block_size)], default=0) < 0:  # stale block 0 under a window:
             given_back = torch.tensor(block_tables[b][: -(-context // block_size)], device=q.device) < 0
             v = v.masked_fill(given_back.repeat_interleave(block_size)[:context, None, None], 0.0)  # zero, not NaN
@@ -140,7 +153,8 @@ def _buckets(singles: list[int], contexts: list[int], block_size: int, slack: fl
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, contexts: list[int],
-                  tables: list[list[int]], window_left: int, sinks: torch.Tensor | None) -> torch.Tensor:
+                  tables: list[list[int]], window_left: int, sinks: torch.Tensor | None,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """q (n, heads, D), each row the last position of its sequence -> out (n, heads, D): the rows' blocks
     gathered in one index_select, padded with block 0 (``paged_decode``)."""
     block_size = k_cache.shape[1]
@@ -152,13 +166,15 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # one row alone: exactly its context, so its arithmetic depends on nothing but its own keys
     length = contexts[0] if len(contexts) == 1 else width * block_size
     return paged_decode(q, k_cache, v_cache, index.to(q.device), torch.tensor(contexts, device=q.device), length,
-                        window_left, sinks)
+                        window_left, sinks, kv_scales=kv_scales)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  contexts: torch.Tensor, length: int, window_left: int = -1, sinks: torch.Tensor | None = None,
-                 new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One new token per sequence against a paged cache, in fixed-shape tensor ops (no host work: what the
+                 new: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 fresh: torch.Tensor | None = None) -> torch.Tensor:
+    """New tokens against a paged cache, one query row each, in fixed-shape tensor ops (no host work: what the
     compiled decode step runs).
 
     q (n, heads, D): row r is position contexts[r] - 1 of its sequence; tables (n, width) int64 block ids
@@ -166,22 +182,30 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (>= 1); length <= width * block_size: the keys read per row.  -> out (n, heads, D) in q's dtype.  Keys
     past a row's context, and before its window, are masked; K/V heads are shared without copies.
 
-    ``new``: each row's own K and V (n, kv_heads, D), not in the cache yet (the caller writes them after
-    this read).  The cached keys 0 .. context - 2 are attended as above and the own key joins by the
-    online-softmax merge: with c = logsumexp of the cached scores and s the own score,
-    lse = logaddexp(c, s), out = exp(c - lse) out_cached + exp(s - lse) v_own (exact; a row with no cached
-    key has c = -inf and its output is v_own).  In a compiled graph this keeps the gather of the cache
-    apart from the write into it (a read after a compiled write searches the written slots for every key).
+    ``new``: every row's K and V (n, kv_heads, D), not in the cache yet (the caller writes them after this
+    read).  ``fresh`` (n, n) bool: the rows whose new keys row r sees (default: its own only); they are the last
+    positions of r's context, so r reads contexts[r] - fresh[r].sum() keys from the cache.  Several rows of one
+    sequence (a token and its speculative drafts, consecutive positions) so see each other causally: row j of a
+    group sees the group's rows 0 .. j.  The cached keys are attended as above and the new ones join by the
+    online-softmax merge: with c = logsumexp of the cached scores and f that of the new keys' scores,
+    lse = logaddexp(c, f), out = exp(c - lse) out_cached + exp(f - lse) out_new (exact; a row with no cached
+    key has c = -inf).  In a compiled graph this keeps the gather of the cache apart from the write into it
+    (a read after a compiled write searches the written slots for every key).
+    With an FP8 cache (``kv_scales``) ``new`` is given as the caller will store it (its e4m3 round trip), so the
+    row sees the same own key as a later step reading it from the cache.
     """
     n, heads, dim = q.shape
     width = tables.shape[1]
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     flat = tables.reshape(-1)
-    keys = k_cache.index_select(0, flat).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
-    values = v_cache.index_select(0, flat).view(n, width * block_size, kv_heads, dim)[:, :length].to(acc)
+    k_scale, v_scale = kv_scales or (None, None)
+    keys = read_cache(k_cache, flat, k_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
+    values = read_cache(v_cache, flat, v_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
     position = torch.arange(length, device=q.device)
-    cached = contexts[:, None] - (0 if new is None else 1)  # keys to read from the cache
+    if new is not None and fresh is None:
+        fresh = torch.eye(n, dtype=torch.bool, device=q.device)
+    cached = contexts[:, None] - (0 if new is None else fresh.sum(1, keepdim=True))  # keys to read from the cache
     visible = position[None] < cached
     if window_left >= 0:
         visible &= position[None] >= contexts[:, None] - 1 - window_left
@@ -200,10 +224,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
     out = torch.matmul(torch.exp(scores - finite[..., None]), values)                    # (n, Hkv, G, D)
     if new is not None:
-        own_k, own_v = new[0].to(acc), new[1].to(acc)                                      # (n, Hkv, D)
-        own = torch.einsum("nhgd,nhd->nhg", qg, own_k) * scale
-        merged = torch.logaddexp(lse, own)
-        out = out * torch.exp(lse - merged)[..., None] + own_v[:, :, None] * torch.exp(own - merged)[..., None]
+        new_k, new_v = new[0].to(acc), new[1].to(acc)                                      # (n, Hkv, D)
+        seen = fresh  # a new key at position contexts[s] - 1, inside row r's window when >= contexts[r] - 1 - left
+        if window_left >= 0:
+            seen = seen & (contexts[None, :] >= contexts[:, None] - window_left)
+        new_scores = torch.einsum("rhgd,shd->rhgs", qg, new_k) * scale                 # (n, Hkv, G, n)
+        new_scores = new_scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        new_lse = torch.logsumexp(new_scores, dim=-1)                   # finite: every row sees its own key
+        new_out = torch.einsum("rhgs,shd->rhgd", torch.exp(new_scores - new_lse[..., None]), new_v)
+        merged = torch.logaddexp(lse, new_lse)
+        out = out * torch.exp(lse - merged)[..., None] + new_out * torch.exp(new_lse - merged)[..., None]
         lse = merged
     out = out.reshape(n, heads, dim)
     if sinks is not None:
@@ -229,7 +259,7 @@ def _use_triton(backend: str, q: torch.Tensor) -> bool:
     return True
 
 
-def _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables):
+def _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables, kv_scales):
     from .triton_paged import triton_paged_attention
 
     device = q.device
@@ -240,4 +270,4 @@ def _triton(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_tables):
     lengths = [b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])]
     return triton_paged_attention(q, k_cache, v_cache, torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
                                   torch.tensor(cache_seqlens, dtype=torch.int32, device=device), table.to(device),
-                                  max(lengths, default=1))
+                                  max(lengths, default=1), kv_scales)

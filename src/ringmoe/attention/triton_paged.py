@@ -7,6 +7,9 @@ finding each key's page through the sequence's row of the block table (flash-att
 and runs the online softmax in base 2.  Queries are the last positions of the sequence (causal,
 bottom-right): query i of n sees keys up to cache_seqlens[b] - n + i.  GQA reads kv head h // group.
 
+An FP8 cache (uint8 e4m3 codes, ``kv_scales``) is decoded tile by tile as the keys are read: the cache is read
+at one byte per value and no float copy of it is made.
+
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, for tests).
 """
 
@@ -16,17 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..float8_triton import e4m3
 from .triton_flash import _dot
 
 __all__ = ["triton_paged_attention"]
 
 
 @triton.jit
-def _paged_forward(Q, KC, VC, O, CU_Q, CTX, TABLES,
+def _paged_forward(Q, KC, VC, O, CU_Q, CTX, TABLES, K_SCALE, V_SCALE,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
                    group, scale,
                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -51,8 +55,12 @@ def _paged_forward(Q, KC, VC, O, CU_Q, CTX, TABLES,
             page = tl.load(TABLES + b * stride_tb + cols // PAGE, mask=inside, other=0)
             rows = page[:, None] * stride_kb + (cols % PAGE)[:, None] * stride_ks + kv_head * stride_kh
             kv_mask = inside[:, None] & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(KC + rows + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(VC + rows + offs_d[None, :], mask=kv_mask, other=0.0)
+            if FP8:  # e4m3 codes x the layer's scales, in q's dtype
+                k = (e4m3(tl.load(KC + rows + offs_d[None, :], mask=kv_mask, other=0)) * tl.load(K_SCALE)).to(q.dtype)
+                v = (e4m3(tl.load(VC + rows + offs_d[None, :], mask=kv_mask, other=0)) * tl.load(V_SCALE)).to(q.dtype)
+            else:
+                k = tl.load(KC + rows + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(VC + rows + offs_d[None, :], mask=kv_mask, other=0.0)
             s = _dot(q, tl.trans(k), IEEE) * (scale * 1.4426950408889634)
             visible = (cols[None, :] <= offs_m[:, None] + offset) & inside[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -69,23 +77,27 @@ def _paged_forward(Q, KC, VC, O, CU_Q, CTX, TABLES,
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor,
-                           max_seqlen_q: int, softmax_scale: float | None = None) -> torch.Tensor:
-    """q (total_q, heads, D); k_cache, v_cache (num_blocks, page_size, kv_heads, D); cu_seqlens_q (B + 1,)
-    int32; cache_seqlens (B,) int32; block_table (B, max_blocks) int32 -> out (total_q, heads, D) in q's dtype."""
+                           max_seqlen_q: int, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           softmax_scale: float | None = None) -> torch.Tensor:
+    """q (total_q, heads, D); k_cache, v_cache (num_blocks, page_size, kv_heads, D) in q's dtype, or uint8 e4m3
+    codes with kv_scales (k_scale, v_scale) 0-dim float32; cu_seqlens_q (B + 1,) int32; cache_seqlens (B,) int32;
+    block_table (B, max_blocks) int32 -> out (total_q, heads, D) in q's dtype."""
     total, heads, dim = q.shape
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     block_table = block_table.contiguous()
     out = torch.empty_like(q)
+    fp8 = kv_scales is not None
+    k_scale, v_scale = (s.float().reshape(1) for s in kv_scales) if fp8 else (out, out)  # unread without FP8
     block_m = 16
     block_n = 16
     grid = (triton.cdiv(max(max_seqlen_q, 1), block_m), heads, cu_seqlens_q.numel() - 1)
     _paged_forward[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, cache_seqlens, block_table,
+        q, k_cache, v_cache, out, cu_seqlens_q, cache_seqlens, block_table, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_table.stride(0),
         heads // kv_heads, dim**-0.5 if softmax_scale is None else softmax_scale,
         PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)), HEAD_DIM=dim,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, FP8=fp8,
     )
     return out

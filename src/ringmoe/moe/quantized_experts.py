@@ -3,7 +3,8 @@
 The same interface as ``SwiGLUExperts`` (``expert``, ``grouped``, ``padded``, ``gathered``, ``dtype``, the
 biases, ``limit``/``alpha``), the same function: gate (E, F, H), up (E, F, H) and down (E, H, F) are
 held as ``QuantizedWeight``s and turned into floats one expert at a time (the tile of the dequantizing GEMM
-on a CPU is one expert), so a layer never holds more than one expert's floats beside its codes.
+on a CPU is one expert), so a layer never holds more than one expert's floats beside its codes; on a GPU each
+expert's products run the Triton kernel that decodes the codes inside the GEMM (``quant.matmul``).
 Not trainable: the codes have no gradient (the biases, float, do).
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..quant import QuantizedWeight, QuantScheme
-from ..batch_invariant import linear
+from ..quant.matmul import quantized_linear
 from .experts import activate
 
 __all__ = ["QuantizedSwiGLUExperts"]
@@ -60,11 +61,10 @@ class QuantizedSwiGLUExperts(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on rows x (n, H) -> (n, H), its weights dequantized to x's dtype (gate and up applied
         apart and their outputs joined: no (2F, H) copy of the weights)."""
-        h = torch.cat([linear(x, self.gate_q.dequantize(e, dtype=x.dtype)),
-                       linear(x, self.up_q.dequantize(e, dtype=x.dtype))], dim=-1)
+        h = torch.cat([quantized_linear(x, self.gate_q, e), quantized_linear(x, self.up_q, e)], dim=-1)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]
-        y = linear(activate(h, self.limit, self.alpha), self.down_q.dequantize(e, dtype=x.dtype))
+        y = quantized_linear(activate(h, self.limit, self.alpha), self.down_q, e)
         return y if self.down_bias is None else y + self.down_bias[e]
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """A linear layer whose weight stays quantized: each product dequantizes the weight one tile of rows at a time.
 
-y = x W^T + b with W (out, in) in fp8 block or mxfp4 format.  The output columns are computed in tiles of
-``tile`` weight rows (a multiple of the fp8 block height): only one tile's float copy exists at a time, so a
-layer never holds more than tile x in floats beside its codes.
+y = x W^T + b with W (out, in) in fp8 block or mxfp4 format.  On a GPU the Triton kernel of ``triton_gemm`` decodes
+the codes inside the GEMM.  Elsewhere the output columns are computed in tiles of ``tile`` weight rows (a multiple of
+the fp8 block height): only one tile's float copy exists at a time, so a layer never holds more than tile x in
+floats beside its codes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..batch_invariant import linear
+from . import matmul
 from .formats import QuantScheme
 from .weight import QuantizedWeight
 
@@ -38,6 +40,9 @@ class QuantizedLinear(nn.Module):
         return self.weight_q.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if matmul.fused_ready(x):  # a GPU: the Triton kernel decodes the codes inside the GEMM
+            y = matmul.fused_linear(x, self.weight_q)
+            return y if self.bias is None else y + self.bias
         if self.tile >= self.out_features:
             return linear(x, self.weight_q.dequantize(dtype=x.dtype), self.bias)
         parts = [linear(x, self.weight_q.dequantize(rows=slice(start, start + self.tile), dtype=x.dtype))

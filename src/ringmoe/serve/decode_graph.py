@@ -18,6 +18,11 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   (``MoELayer.forward_static``), all compiled at start-up (``warm_up``); inductor keeps its compiled code
   in its on-disk cache, so a restart of the server recompiles quickly.
 
+Speculative decoding: an item of a token and its k drafts (positions p .. p + k) becomes k + 1 rows that share
+the request's block table and read its cache up to p - 1; the rows' new keys join causally within the item
+(``paged_decode``'s ``fresh``: row j sees the item's rows 0 .. j), so the drafts are verified by the same
+compiled graph as plain decodes, and the step reports every row's hidden state for the item.
+
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
 mode, meshes (cp or ep > 1), latent attention and capacity-bounded experts take the eager path
 (``ModelRunner.step``).  ``compile=False`` runs the same padded fixed-shape step eagerly (what the
@@ -31,6 +36,7 @@ import time
 import torch
 
 from ..attention.paged import paged_decode
+from ..float8 import decode_e4m3, encode_e4m3
 
 __all__ = ["DecodeGraph", "bucket"]
 
@@ -44,15 +50,16 @@ def bucket(n: int) -> int:
 
 class TableAttention:
     """The ``AttentionBackend`` of a padded decode batch: row r writes its K/V at ``slots[r]`` and attends
-    to the blocks ``tables[r]`` (``contexts[r]`` keys, its own included)."""
+    to the blocks ``tables[r]`` (``contexts[r]`` keys, its own included), the new keys of the rows ``fresh[r]``
+    marks among them.  kv_scales: per layer (k_scale, v_scale) of an FP8 cache, or None."""
 
     absorbed = latent_ring = False
 
     def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], slots: torch.Tensor,
-                 tables: torch.Tensor, contexts: torch.Tensor):
+                 tables: torch.Tensor, contexts: torch.Tensor, fresh: torch.Tensor, kv_scales: list | None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
-        self.slots, self.tables, self.contexts = slots, tables, contexts
-        self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V (B, Hkv, D) to write
+        self.slots, self.tables, self.contexts, self.fresh, self.kv_scales = slots, tables, contexts, fresh, kv_scales
+        self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V (B, Hkv, D) as cached
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, B, H, D), k, v (1, B, Hkv, D) -> (1, B, H, D)."""
@@ -62,14 +69,21 @@ class TableAttention:
         # the cache is read as it was before this step and each row's own K/V joins at its last position; the
         # new K/V leave the graph and are written after it: a compiled write into the cache copies the whole
         # cache (its input), and a read after a write searches the written slots for every key it gathers
-        self.new_kv.append((k[0], v[0]))
+        own, scales = (k[0], v[0]), None
+        if self.kv_scales is not None:  # the row's own K/V as a later step will read them: their e4m3 round trip
+            scales = self.kv_scales[layer]
+            codes = (encode_e4m3(own[0], scales[0]), encode_e4m3(own[1], scales[1]))
+            own = (decode_e4m3(codes[0], scales[0], k.dtype), decode_e4m3(codes[1], scales[1], v.dtype))
+            self.new_kv.append(codes)
+        else:
+            self.new_kv.append(own)
         return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, options["window_size"][0],
-                            options["sinks"], new=(k[0], v[0]))[None]
+                            options["sinks"], new=own, kv_scales=scales, fresh=self.fresh)[None]
 
 
-def _decode_step(model, ids, positions, slots, tables, contexts, k_caches, v_caches):
-    """-> (hidden (B, hidden), the MoE layers' routings, every layer's new K and V)."""
-    attention = TableAttention(model, k_caches, v_caches, slots, tables, contexts)
+def _decode_step(model, ids, positions, slots, tables, contexts, fresh, k_caches, v_caches, kv_scales):
+    """-> (hidden (B, hidden), the MoE layers' routings, every layer's new K and V as the cache stores them)."""
+    attention = TableAttention(model, k_caches, v_caches, slots, tables, contexts, fresh, kv_scales)
     hidden, routings = model.hidden_states_static(ids, positions, attention)
     return hidden, routings, attention.new_kv
 
@@ -86,6 +100,7 @@ class DecodeGraph:
         mode = "reduce-overhead" if runner.device.type == "cuda" else None
         self.fn = torch.compile(_decode_step, dynamic=True, mode=mode) if compile else _decode_step
         self.steps = 0  # decode steps run through the graph
+        self.drafts_verified = 0  # speculative draft tokens the graph has verified
 
     @torch.no_grad()
     def warm_up(self, max_rows: int) -> float:
@@ -101,29 +116,38 @@ class DecodeGraph:
             tables = torch.full((rows, 3), scratch, dtype=torch.long, device=runner.device)
             # distinct tensors, as a step passes them (an aliasing guard would otherwise fail at the first step)
             self.fn(runner.model, zeros, zeros.clone(), zeros + scratch * runner.block_size, tables, zeros + 1,
-                    runner.k_cache, runner.v_cache)
+                    torch.eye(rows, dtype=torch.bool, device=runner.device), runner.k_cache, runner.v_cache,
+                    runner.kv_scales)
         return time.perf_counter() - start
 
     @staticmethod
     def accepts(runner, items: list) -> bool:
-        """Every item one generated token of a paged request, nothing else asked of the step."""
+        """Every item one generated token of a paged request (and its drafts, if any), nothing else asked of the
+        step."""
         return bool(items) and not runner.deterministic and runner.model.static_ready and all(
-            item.kind == "paged" and len(item.token_ids) == 1 and item.generated and not item.copies
-            and not item.report_all for item in items)
+            item.kind == "paged" and len(item.token_ids) == 1 + item.drafts and (item.generated or item.drafts)
+            and not item.copies and item.report_all == bool(item.drafts) for item in items)
 
     def run(self, items: list) -> dict:
-        """{request_id: hidden (hidden_size,)} of the reported items, as ``ModelRunner.step``."""
+        """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step``."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
-        rows = bucket(len(items))
-        pad = rows - len(items)
-        contexts = [item.start + 1 for item in items]
+        # one row per token: (item index, position)
+        owners = [(i, item.start + j) for i, item in enumerate(items) for j in range(len(item.token_ids))]
+        rows = bucket(len(owners))
+        pad = rows - len(owners)
+        contexts = [position + 1 for _, position in owners]
         width = max(MIN_WIDTH, bucket(max(-(-c // block_size) for c in contexts)))
         tables = torch.full((rows, width), scratch, dtype=torch.long)
-        for r, (item, context) in enumerate(zip(items, contexts)):
-            used = item.tables[0][: -(-context // block_size)]
+        for r, ((i, _), context) in enumerate(zip(owners, contexts)):
+            used = items[i].tables[0][: -(-context // block_size)]
             tables[r, :len(used)] = torch.tensor(used, dtype=torch.long).clamp(min=0)  # -1: outside the window
-        slots = [item.tables[0][item.start // block_size] * block_size + item.start % block_size for item in items]
+        slots = [items[i].tables[0][p // block_size] * block_size + p % block_size for i, p in owners]
+        # row r sees the new keys of the rows of its own item up to its own position (padding rows: themselves)
+        group = torch.tensor([i for i, _ in owners] + list(range(len(items), len(items) + pad)))
+        position = torch.tensor([p for _, p in owners] + [0] * pad)
+        fresh = (group[:, None] == group[None, :]) & (position[None, :] <= position[:, None])
         device = runner.device
 
         def tensor(values, fill):
@@ -131,15 +155,25 @@ class DecodeGraph:
 
         tables = tables.to(device)
         slots = tensor(slots, scratch * block_size)
-        hidden, routings, new_kv = self.fn(runner.model, tensor([item.token_ids[0] for item in items], 0),
-                                           tensor([item.start for item in items], 0), slots, tables,
-                                           tensor(contexts, 1), runner.k_cache, runner.v_cache)
+        ids = [token for item in items for token in item.token_ids]
+        hidden, routings, new_kv = self.fn(runner.model, tensor(ids, 0), position.to(device), slots, tables,
+                                           tensor(contexts, 1), fresh.to(device), runner.k_cache, runner.v_cache,
+                                           runner.kv_scales)
         for (k, v), k_cache, v_cache in zip(new_kv, runner.k_cache, runner.v_cache):
             k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
-        real = len(items)
+        real = len(owners)
         for (_, layer), routing in zip(runner.model.moe_layers(), routings):
             layer.mlp.record(type(routing)(*(t[:real] for t in (routing.logits, routing.probs, routing.topk_idx,
                                                                  routing.topk_weight))))
         self.steps += 1
-        return {item.request_id: hidden[r] for r, item in enumerate(items) if item.report}
+        self.drafts_verified += sum(item.drafts for item in items)
+        reports, first = {}, 0
+        for item in items:
+            count = len(item.token_ids)
+            if item.drafts:
+                reports[("all", item.request_id)] = hidden[first:first + count]
+            if item.report:
+                reports[item.request_id] = hidden[first + count - 1]
+            first += count
+        return reports

@@ -39,6 +39,7 @@ from ..model.transformer import MoETransformer
 from ..parallel.ring import RingStats
 from ..text import IncrementalDetokenizer, Tokenizer
 from .kv_cache import BlockManager
+from .kv_scales import kv_cache_is_fp8
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
 from .runner import ModelRunner, WorkItem
@@ -95,6 +96,9 @@ class Engine:
     engine with its last output, so memory stays flat however many requests pass.  return_logits: each
     RequestOutput carries the (vocab,) float32 logits its token was drawn from (exactness checks).
     A request whose sampling fails (NaN logits, say) ends alone with finish_reason "error".
+    kv_cache_dtype: "auto" (K/V cached in the model's dtype) or "fp8" / "fp8_e4m3": one byte per cached value,
+    e4m3 codes with per-layer scales measured on a probe at start-up (``kv_scales.py``), decoded as attention reads
+    them (MLA's latent cache too); ``runner.bytes_per_token`` counts the bytes.
     decode_graph: how the decode-only steps run (``decode_graph.py``): "off" (the general eager step),
     "static" (padded to a bucket, fixed-shape ops, eager), "compiled" (the same under torch.compile,
     compiled here, before the first request: ``compile_seconds``).  The graph serves one-rank models
@@ -113,15 +117,16 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
                  deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False,
-                 decode_graph: str = "off", speculative_config=None):
+                 decode_graph: str = "off", speculative_config=None, kv_cache_dtype: str = "auto"):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
+        fp8_cache = kv_cache_is_fp8(kv_cache_dtype)
         if kv_cache_bytes is not None:
             if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) or kv_cache_bytes < 1:
                 raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
             c = model.config
             width = c.kv_lora_rank + c.qk_rope_head_dim if c.mla else 2 * c.num_kv_heads * c.head_dim
-            per_token = c.num_layers * width * model.embed_tokens.weight.element_size()
+            per_token = c.num_layers * width * (1 if fp8_cache else model.embed_tokens.weight.element_size())
             kv_cache_tokens = kv_cache_bytes // per_token
             if kv_cache_tokens < block_size:
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {kv_cache_tokens} tokens "
@@ -146,10 +151,12 @@ class Engine:
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
         self.window_reach = max(reach) if all(r >= 0 for r in reach) else None
         num_blocks = -(-kv_cache_tokens // block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic, decode_graph)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic, decode_graph, kv_cache_dtype)
         self.compile_seconds = 0.0
         if decode_graph == "compiled" and self.runner.decode_graph is not None and not deterministic:
-            self.compile_seconds = self.runner.decode_graph.warm_up(max_num_seqs)
+            # with speculation a step verifies up to 1 + k tokens of every running request
+            per_request = 1 + (self.speculative_config.num_speculative_tokens if self.drafter is not None else 0)
+            self.compile_seconds = self.runner.decode_graph.warm_up(max_num_seqs * per_request)
             log.info("decode step compiled in %.1f s", self.compile_seconds)
         self.record_steps = record_steps
         self.is_driver = self.mesh.size == 1 or dist.get_rank() == 0
@@ -380,7 +387,7 @@ class Engine:
         generated = count == 1 and request.num_computed >= len(request.prompt_ids)
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
                         "paged", 0, due, generated, report_all=request.needs_prompt_logprobs or bool(request.draft_ids),
-                        copies=copies.get(request.request_id))
+                        copies=copies.get(request.request_id), drafts=len(request.draft_ids))
 
     def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
         """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""

@@ -1,6 +1,8 @@
 """One model step on one rank: a packed batch of work items, K/V in paged buffers.
 
-The runner owns, per layer, K and V buffers of shape (num_blocks, block_size, kv_heads, head_dim).
+The runner owns, per layer, K and V buffers of shape (num_blocks, block_size, kv_heads, head_dim), in the model's
+dtype or, for an FP8 cache (``kv_cache_dtype="fp8_e4m3"``), as uint8 e4m3 codes with per-layer scales
+(``kv_scales.py``): ``write`` encodes, every reader decodes what it gathers.
 A step packs the new tokens of every item of this rank's ep group into one (1, tokens) row, each
 with its own positions, and runs the model once; the MoE layers see all of them together (and,
 under expert parallelism, meet the other ep groups' tokens in the all-to-all: a rank with no item
@@ -23,10 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.paged import read_cache
+from ..float8 import decode_e4m3, encode_e4m3
 from ..model.transformer import MoETransformer
 from ..parallel.layout import positions as layout_positions, shard
 from ..parallel.ring import RingStats
 from .decode_graph import DecodeGraph
+from .kv_scales import calibrate_kv_scales, kv_cache_is_fp8
 from .placement import owned_prefill_positions, padded_length
 from .step_attention import StepAttention
 
@@ -55,15 +60,18 @@ class WorkItem:
     generated: bool = False
     report_all: bool = False
     copies: list[tuple[int, int]] | None = None
+    drafts: int = 0  # the last ``drafts`` tokens are speculative drafts the step verifies (report_all is set)
 
 
 class ModelRunner:
     def __init__(self, model: MoETransformer, num_blocks: int, block_size: int, backend: str = "auto",
-                 deterministic: bool = False, decode_graph: str = "off"):
+                 deterministic: bool = False, decode_graph: str = "off", kv_cache_dtype: str = "auto"):
         """decode_graph: how decode-only steps run: "compiled" (``DecodeGraph`` under torch.compile),
-        "static" (the same padded fixed-shape step, eager), "off" (the general eager step)."""
+        "static" (the same padded fixed-shape step, eager), "off" (the general eager step).
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (one byte per cached value)."""
         if decode_graph not in ("compiled", "static", "off"):
             raise ValueError(f"decode_graph must be 'compiled', 'static' or 'off', got {decode_graph!r}")
+        fp8 = kv_cache_is_fp8(kv_cache_dtype)
         config = model.config
         param = model.embed_tokens.weight
         self.model, self.block_size, self.backend = model.eval(), block_size, backend
@@ -76,9 +84,12 @@ class ModelRunner:
             shape = (num_blocks + 1, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
         else:
             shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(config.num_layers)]
-        self.v_cache = self.k_cache if self.latent else [torch.zeros(shape, dtype=param.dtype, device=param.device)
+        storage = torch.uint8 if fp8 else param.dtype
+        self.k_cache = [torch.zeros(shape, dtype=storage, device=param.device) for _ in range(config.num_layers)]
+        self.v_cache = self.k_cache if self.latent else [torch.zeros(shape, dtype=storage, device=param.device)
                                                           for _ in range(config.num_layers)]
+        # per layer (k_scale, v_scale) of the FP8 cache, else None; MLA's one latent buffer has one scale
+        self.kv_scales = calibrate_kv_scales(model, self.latent) if fp8 else None
         self.ring_stats = RingStats()
         self.history: list[dict] = []  # per step, when the engine records them
         self.decode_graph = None  # a model that cannot run the fixed-shape step (a mesh, MLA...) never has one
@@ -95,6 +106,26 @@ class ModelRunner:
         copies = 1 if self.latent else 2
         return copies * len(self.k_cache) * first[0, 0].numel() * first.element_size()
 
+    def kv_scale(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s FP8 scales (k_scale, v_scale), or None for a cache in the model's dtype."""
+        return None if self.kv_scales is None else self.kv_scales[index]
+
+    def encode(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V as layer ``index``'s cache stores them (e4m3 codes for an FP8 cache, else unchanged)."""
+        if self.kv_scales is None:
+            return k, v
+        k_scale, v_scale = self.kv_scales[index]
+        return encode_e4m3(k, k_scale), encode_e4m3(v, v_scale)
+
+    def as_cached(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V as a later read of layer ``index``'s cache returns them (an FP8 cache's e4m3 round trip): what a
+        prefill that attends without reading the cache (the ring) must see, to match the paged path."""
+        if self.kv_scales is None:
+            return k, v
+        k_scale, v_scale = self.kv_scales[index]
+        k_codes, v_codes = self.encode(index, k, v)
+        return decode_e4m3(k_codes, k_scale, k.dtype), decode_e4m3(v_codes, v_scale, v.dtype)
+
     def slots(self, table: list[int], local: range) -> list[int]:
         """Cache slots (block * block_size + offset) of a request's local positions ``local``."""
         return [table[i // self.block_size] * self.block_size + i % self.block_size for i in local]
@@ -105,6 +136,7 @@ class ModelRunner:
         if len(slots) == 0:
             return
         at = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long, device=self.device)
+        k, v = self.encode(index, k, v)
         self.k_cache[index].view(-1, *k.shape[1:]).index_copy_(0, at, k)
         self.v_cache[index].view(-1, *v.shape[1:]).index_copy_(0, at, v)
 
@@ -112,8 +144,10 @@ class ModelRunner:
         """This rank's first ``count`` cached tokens of a request: K, V (count, kv_heads, head_dim)."""
         blocks = torch.tensor(table[: -(-count // self.block_size)], dtype=torch.long, device=self.device)
         blocks = blocks.clamp(min=0)  # entries given back under a sliding window: outside it, never attended
-        k = self.k_cache[index].index_select(0, blocks).flatten(0, 1)[:count]
-        v = self.v_cache[index].index_select(0, blocks).flatten(0, 1)[:count]
+        k_scale, v_scale = self.kv_scale(index) or (None, None)
+        dtype = self.model.embed_tokens.weight.dtype
+        k = read_cache(self.k_cache[index], blocks, k_scale, dtype).flatten(0, 1)[:count]
+        v = read_cache(self.v_cache[index], blocks, v_scale, dtype).flatten(0, 1)[:count]
         return k, v
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -21,15 +21,16 @@ from ..model import check_checkpoint
 from ..model.quantize import requested_scheme
 from ..parallel import make_mesh
 from ..parallel.ulysses import check_heads
-from .speculative import SpeculativeConfig
 from ..parallel.launch import join_torchrun, spawn
 from ..parallel.layout import LAYOUTS
 from ..resources import PROCESS_OVERHEAD_BYTES, require_memory
 from .async_engine import AsyncEngine
 from .engine import Engine
+from .kv_scales import kv_cache_is_fp8
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .server import build_app, serve_app
+from .speculative import SpeculativeConfig
 from .stats_log import ThroughputLog
 
 __all__ = ["ServeOptions", "run_server", "serve_rank"]
@@ -51,6 +52,7 @@ class ServeOptions:
     max_num_batched_tokens: int = 2048
     kv_cache_tokens: int = 65536
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": e4m3 codes with per-layer scales, one byte per value
     max_model_len: int | None = None
     max_waiting: int = 1024
     max_tokens_default: int = 256
@@ -119,6 +121,10 @@ def validate(options: ServeOptions) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {options.port}")
     if options.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {options.dtype!r}")
+    try:
+        kv_cache_is_fp8(options.kv_cache_dtype)
+    except ValueError as error:
+        raise ValueError(f"--{str(error).replace('_', '-', 2)}") from None
     if options.layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {LAYOUTS}, got {options.layout!r}")
     if options.api_key is not None and not options.api_key.strip():
@@ -146,23 +152,27 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
     """Refuse (ValueError, one line) a server whose local ranks cannot hold their weights and KV caches.
 
     Per rank: the replicated weights, its 1/ep of the experts, and ``kv_cache_tokens`` of K/V (MLA: the latent
-    and RoPE key) in --dtype, plus a process's own overhead; local ranks share this machine's memory."""
+    and RoPE key) in --dtype (one byte per value with --kv-cache-dtype fp8), plus a process's own overhead; local
+    ranks share this machine's memory."""
 
     width = DTYPES[options.dtype].itemsize
+    kv_width = 1 if kv_cache_is_fp8(options.kv_cache_dtype) else width
     per_token = config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
                                      else 2 * config.num_kv_heads * config.head_dim)
     ranks = options.cp * options.ep
     parts = {"weights": ranks * config.weight_bytes(config.num_experts // options.ep, width),
-             "KV cache": ranks * options.kv_cache_tokens * per_token * width,
+             "KV cache": ranks * options.kv_cache_tokens * per_token * kv_width,
              "processes": ranks * PROCESS_OVERHEAD_BYTES}
     return require_memory(f"serving {Path(options.model).name} on {ranks} rank(s)", parts, available,
-                          advice="lower --kv-cache-tokens, raise --ep or pick a smaller --dtype")
+                          advice="lower --kv-cache-tokens, raise --ep, pick a smaller --dtype or "
+                                 "--kv-cache-dtype fp8")
 
 
 def _build_engine(options: ServeOptions, mesh):
     return Engine.from_checkpoint(
         options.model, mesh, dtype=DTYPES[options.dtype], layout=options.layout, quantization=options.quantization,
-        kv_cache_tokens=options.kv_cache_tokens, block_size=options.block_size, max_num_seqs=options.max_num_seqs,
+        kv_cache_tokens=options.kv_cache_tokens, kv_cache_dtype=options.kv_cache_dtype, block_size=options.block_size,
+        max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
         deterministic=options.deterministic, decode_graph="off" if options.enforce_eager else "compiled",
         speculative_config=options.speculative_config,

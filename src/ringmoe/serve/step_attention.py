@@ -11,6 +11,8 @@ and gets back the output of every item, each computed the way its kind needs:
   (the cp-decode merge): exact attention over all cached keys;
 - ``ring`` (cp > 1): a whole prompt prefilled by ring attention over the cp group (or Ulysses, and the ring
   across, when the mesh factors cp as ulysses x ring); each rank keeps the K/V of the real positions it holds.
+  With an FP8 cache the ring attends to the K/V as the cache will hold them (their e4m3 round trip), so a
+  prompt sees the same keys whether its prefill ran paged (cp = 1) or by the ring.
 
 With MLA the cache holds latents (``absorbed``): the layer attends in the latent space and the same three
 paths run with one "K/V head".
@@ -65,7 +67,7 @@ class StepAttention:
         out[rows] = paged_attention(q[rows], runner.k_cache[layer], runner.v_cache[layer], self.cu,
                                     [i.start + n for i, _, n in self.paged], [i.tables[0] for i, _, _ in self.paged],
                                     runner.backend, [runner.deterministic and not i.generated for i, _, _ in self.paged],
-                                    batch_decodes=not runner.deterministic, **options)
+                                    batch_decodes=not runner.deterministic, kv_scales=runner.kv_scale(layer), **options)
 
     def _sharded_decodes(self, layer, q, k, v, out, options) -> None:
         runner = self.runner
@@ -94,7 +96,7 @@ class StepAttention:
     def _ring_prefill(self, layer, item, offset, n, q, k, v, out, options) -> None:
         runner = self.runner
         rows, mesh = slice(offset, offset + n), runner.mesh
-        shards = (q[None, rows], k[None, rows], v[None, rows])
+        shards = (q[None, rows], *runner.as_cached(layer, k[None, rows], v[None, rows]))
         if mesh.ulysses > 1:  # the same layout shards: only how the ranks reach each other's keys differs
             out[rows] = usp_attn_func(*shards, mesh.ulysses_group, mesh.ring_group, causal=True, layout=runner.layout,
                                       backend=runner.backend, stats=runner.ring_stats, **options)[0]

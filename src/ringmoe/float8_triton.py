@@ -1,0 +1,44 @@
+"""Triton decoders of the narrow float codes (loaded only by Triton kernels: the package imports without Triton).
+
+Both decode with integer and float arithmetic only, not Triton's fp8 types: the same code runs on every GPU (FP8
+hardware or not) and under Triton's CPU interpreter, which the tests use.
+
+- ``e4m3``: float8_e4m3fn bits (uint8) -> float32: (-1)^s 2^(e - 7) (1 + m / 8) for e > 0, (-1)^s m 2^-9 for e = 0,
+  NaN for 0x7F / 0xFF.
+- ``e2m1``: a 4-bit MXFP4 code -> float32: (-1)^s 2^(e - 1) (1 + m / 2) for e > 0, (-1)^s m / 2 for e = 0
+  (the codes +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}).
+- ``e8m0``: an MX scale byte -> 2^(byte - 127).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["e4m3", "e2m1", "e8m0"]
+
+
+@triton.jit
+def e4m3(bits):
+    b = bits.to(tl.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = (b & 0x7).to(tl.float32)
+    normal = (1.0 + mantissa * 0.125) * tl.exp2((exponent - 7).to(tl.float32))
+    magnitude = tl.where(exponent == 0, mantissa * 0.001953125, normal)      # 2^-9 per subnormal step
+    magnitude = tl.where((b & 0x7F) == 0x7F, float("nan"), magnitude)
+    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def e2m1(code):
+    c = code.to(tl.int32)
+    exponent = (c >> 1) & 0x3
+    mantissa = (c & 0x1).to(tl.float32)
+    normal = (1.0 + mantissa * 0.5) * tl.exp2((exponent - 1).to(tl.float32))
+    magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
+    return tl.where((c & 0x8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def e8m0(bits):
+    return tl.exp2((bits.to(tl.int32) - 127).to(tl.float32))
