@@ -24,7 +24,8 @@ several expert-parallel sizes, bf16 against their shipped FP8.
 
 The FP8 KV cache (``--kv-cache-dtype fp8``) on the qwen3-moe float checkpoint (float32) and on DeepSeek-V3-tiny's
 latent cache: bytes per cached token (float32 / bfloat16 / fp8), the decode step with each cache at batch 1 and 32
-(64-token prompts) and at batch 8 with 1024-token prompts (where reading the cache weighs more), and accuracy:
+(64-token prompts, eager steps) and at batch 8 with 1024-token prompts (where reading the cache weighs more; eager and
+compiled), and accuracy:
 teacher-forced on the fp8 engine's greedy tokens, the median relative logit error vs the float64 model, beside
 the same model with K/V plainly cast to float8 (flash-attn's rule compares the two), and how many of 4 x 32 greedy
 tokens equal the float cache's before the first difference.
@@ -215,15 +216,15 @@ def bench_kv_cache(path: Path | None, batches: list[int], steps: int) -> dict:
         row["bytes_per_token"]["float32" if cache == "auto" else "fp8"] = engine.runner.bytes_per_token
     row["bytes_per_token"]["bfloat16"] = row["bytes_per_token"]["float32"] // 2
     row["accuracy"] = kv_accuracy(model, exact)
-    shapes = [(batch, 64) for batch in batches] + [(8, 1024)]
-    for batch, prompt in shapes if path is not None else []:
+    # eager steps at every shape, the compiled step where the cache weighs most (each compile takes minutes here)
+    runs = [(batch, 64, "off") for batch in batches] + [(8, 1024, "off"), (8, 1024, "compiled")]
+    for batch, prompt, mode in runs if path is not None else []:
         for cache in ("auto", "fp8"):
-            for mode in ("off", "compiled"):
-                torch._dynamo.reset()
-                result = measure(model, batch, steps, mode, max_num_seqs=batch, prompt=prompt, kv_cache_dtype=cache)
-                row["decode"].append({"kv_cache_dtype": cache, "batch": batch, "prompt": prompt, "mode": mode,
-                                      "step_ms": result["step_ms"], "tokens_per_s": result["tokens_per_s"]})
-                print(f"kv cache {cache:4s} batch {batch:3d} prompt {prompt:5d} {mode:8s} {result['step_ms']:7.2f} ms")
+            torch._dynamo.reset()
+            result = measure(model, batch, steps, mode, max_num_seqs=batch, prompt=prompt, kv_cache_dtype=cache)
+            row["decode"].append({"kv_cache_dtype": cache, "batch": batch, "prompt": prompt, "mode": mode,
+                                  "step_ms": result["step_ms"], "tokens_per_s": result["tokens_per_s"]})
+            print(f"kv cache {cache:4s} batch {batch:3d} prompt {prompt:5d} {mode:8s} {result['step_ms']:7.2f} ms")
     acc = row["accuracy"]
     print(f"{name}: bytes/token {row['bytes_per_token']}; median rel logit error fp8 cache "
           f"{acc['fp8_cache']['median_rel_error']:.4f} vs plain fp8 K/V {acc['plain_fp8_kv']['median_rel_error']:.4f}; "
@@ -246,7 +247,7 @@ def published_models() -> list[dict]:
 
 def plot(data: dict, path: Path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for family in data["families"]:
         rows = family["memory_and_accuracy"]
         axes[0].scatter([r["weight_bytes"] / 2**20 for r in rows], [r["median_rel_error"] for r in rows])
@@ -267,6 +268,17 @@ def plot(data: dict, path: Path) -> None:
     axes[1].set_xscale("log")
     axes[1].set_xlabel("ms per decode step (ringmoe compiled; transformers generate)")
     axes[1].tick_params(axis="y", labelsize=6)
+    rows = [r for r in (data.get("kv_cache") or [{}])[0].get("decode", [])]
+    shapes = sorted({(r["batch"], r["prompt"], r["mode"]) for r in rows})
+    for offset, cache in ((-0.2, "auto"), (0.2, "fp8")):
+        ms = [next(r["step_ms"] for r in rows if (r["batch"], r["prompt"], r["mode"]) == s
+                   and r["kv_cache_dtype"] == cache) for s in shapes]
+        axes[2].bar([i + offset for i in range(len(shapes))], ms, width=0.4,
+                    label="float32 KV cache" if cache == "auto" else "fp8 KV cache (1/4 of the bytes)")
+    axes[2].set_xticks(range(len(shapes)), [f"b{b} p{p}\n{m}" for b, p, m in shapes], fontsize=7)
+    axes[2].set_ylabel("ms per decode step (qwen3-moe, float32)")
+    axes[2].set_title("FP8 KV cache")
+    axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -277,17 +289,20 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--only", choices=["weights", "kv"], default=None, help="one part (the other is kept from "
                         "the last quant.json)")
+    parser.add_argument("--families", default="qwen3-moe,gpt-oss", help="the weight formats' families to run (the "
+                        "others are kept from the last quant.json)")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(2)
     batches = [int(b) for b in args.batches.split(",")]
     last = Path(__file__).resolve().parent / "results" / "quant.json"
-    kept = json.loads(last.read_text()) if args.only and last.is_file() else {}
-    if args.only == "kv":
-        families = kept["families"]
-    else:
-        families = [bench_family("qwen3-moe", "fp8", batches, args.steps),
-                    bench_family("gpt-oss", "mxfp4", batches, args.steps)]
+    chosen = args.families.split(",")
+    kept = json.loads(last.read_text()) if (args.only or len(chosen) < 2) and last.is_file() else {}
+    old = {f["family"]: f for f in kept.get("families", [])}
+    families = []
+    for family, method in (("qwen3-moe", "fp8"), ("gpt-oss", "mxfp4")):
+        run = args.only != "kv" and family in chosen
+        families.append(bench_family(family, method, batches, args.steps) if run else old[family])
     if args.only == "weights":
         kv_cache = kept.get("kv_cache")
     else:

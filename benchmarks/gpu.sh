@@ -12,3 +12,5 @@ python3 benchmarks/bench_gpu.py --out "${OUT:-benchmarks/results}" ${1:+--quick}
 # "reduce-overhead"), batch 1-64
 python3 benchmarks/bench_decode.py --device cuda --name decode_gpu
 cp benchmarks/results/decode_gpu.json benchmarks/results/decode_gpu.png "${OUT:-benchmarks/results}/" 2>/dev/null || true
+# the quantized kernels: dequantizing fp8 / mxfp4 GEMMs vs torch's bf16 GEMM, paged attention over an FP8 cache
+python3 benchmarks/bench_gpu_quant.py --out "${OUT:-benchmarks/results}"

@@ -232,3 +232,19 @@ def test_from_hf_matches_transformers_forward_and_backward(kind):
 def test_from_hf_rejects_unknown_blocks():
     with pytest.raises(ValueError, match="from_hf supports"):
         MoELayer.from_hf(torch.nn.Linear(2, 2))
+
+
+def test_sorted_experts_are_one_operator_of_a_compiled_graph():
+    """From ``dense_below`` tokens on, ``forward_static`` runs the sorted per-expert GEMMs as the opaque
+    ``ringmoe::grouped_experts`` operator: torch.compile traces the layer as one graph (fullgraph=True raises on a
+    break) and computes the float64 oracle's output; a deep copy of the layer runs its own experts."""
+    layer = _randomize(MoELayer(16, 24, 4, 2), seed=8).double().eval()
+    x = torch.randn(layer.dense_below + 5, 16, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    with torch.no_grad():
+        compiled = torch.compile(layer.forward_static, fullgraph=True, dynamic=True)(x)[0]
+        torch.testing.assert_close(compiled, oracle(layer, x), rtol=0, atol=1e-10)
+        twin = _randomize(copy.deepcopy(layer), seed=10)
+        assert twin.op_key == layer.op_key  # carried over by the copy ...
+        torch.testing.assert_close(twin.forward_static(x)[0], oracle(twin, x), rtol=0, atol=1e-10)
+        assert twin.op_key != layer.op_key  # ... and replaced before the copy ran
+        torch.testing.assert_close(layer.forward_static(x)[0], oracle(layer, x), rtol=0, atol=1e-10)

@@ -194,10 +194,30 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert drafter.propose([4, 4, 4, 4, 4, 4], 3) == [4, 4, 4]  # a loop: an occurrence with k tokens after it
 
 
+def test_drafting_stops_from_disable_by_batch_size_running_requests():
+    """vLLM's disable_by_batch_size: with 4 requests running (>= 3) no step drafts; as requests finish and fewer
+    than 3 run, drafting resumes; the tokens are those of decoding without speculation either way."""
+    model = _model("tiny")
+    want, _ = _decode(Engine(model, block_size=4))
+    engine = Engine(model, block_size=4, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    drafted_while = []
+    original = engine._propose_drafts
+
+    def watch():
+        original()
+        drafted_while.append((len(engine.scheduler.running), any(r.draft_ids for r in engine.scheduler.running)))
+    engine._propose_drafts = watch
+    got, _ = _decode(engine, drafter=Oracle(PROMPTS, want))
+    assert got == want
+    assert not any(drafted for running, drafted in drafted_while if running >= 3)
+    assert any(drafted for running, drafted in drafted_while if running < 3)
+
+
 def test_bad_speculative_configs_are_refused_naming_the_key():
     for config, match in [({"method": "mtp"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                           ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                          ({"draft_model": "x"}, "unsupported key"), ("not json", "JSON object"), ([1], "JSON object")]:
+                          ({"draft_model": "x"}, "unsupported key"), ("not json", "JSON object"), ([1], "JSON object"),
+                          ({"disable_by_batch_size": 0}, "disable_by_batch_size")]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(config)
     with pytest.raises(ValueError, match="deterministic"):

@@ -12,6 +12,7 @@ from .balance import ReplicaPlan
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
 from .expert_parallel import expert_parallel_forward
 from .experts import SharedExpert, SwiGLUExperts, activate
+from .grouped_op import grouped_experts, is_registered, register_layer
 from .hf import layer_from_hf
 from .router import Router, Routing
 from .stats import MoEStats
@@ -105,6 +106,7 @@ class MoELayer(nn.Module):
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
         self.dense_below = 32  # forward_static: from this many tokens, the sorted GEMMs (bench_decode.py)
+        self.op_key = register_layer(self)  # how a compiled graph's ``grouped_experts`` finds this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
@@ -143,10 +145,17 @@ class MoELayer(nn.Module):
             expert_out = self.experts.padded(expert_in)
         return unpermute(expert_out, plan, routing.topk_weight, flat.shape[0]), plan
 
-    @torch.compiler.disable
-    def _grouped_outside_graph(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
-        # the per-expert split depends on the routing: torch.compile runs this part eagerly (a graph break)
-        return self._local_experts(flat, routing, None)[0]
+    def register_op(self) -> None:
+        """Make ``op_key`` name this layer (a deep copy of a layer carries its original's key): call outside
+        torch.compile, before tracing ``forward_static`` (the decode graph does)."""
+        if not is_registered(self.op_key, self):
+            self.op_key = register_layer(self)
+
+    def grouped_local(self, flat: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """The dropless sorted GEMMs of ``forward`` for a given routing: (T, H) (``grouped_op``'s body)."""
+        plan = plan_dispatch(topk_idx, topk_weight, self.num_experts, None)
+        expert_out = self.experts.grouped(permute(flat, plan, self.num_experts), plan.counts.tolist())
+        return unpermute(expert_out, plan, topk_weight, flat.shape[0])
 
     @property
     def static_ready(self) -> bool:
@@ -164,9 +173,12 @@ class MoELayer(nn.Module):
         dense form would dequantize every expert every step): every expert runs on every token and the outputs are summed with the
         combine weights, zero for the experts a token did not pick (num_experts / top_k times the
         arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
-        sorted per-expert GEMMs of ``forward``, run outside the compiled graph (their split depends on the
-        routing), where the extra arithmetic of the dense form would cost more than the break.  Dropless
+        sorted per-expert GEMMs of ``forward`` as one opaque operator of the graph (``grouped_op``: their split
+        depends on the routing, which a traced graph cannot express), where the dense form's extra arithmetic would
+        cost more.  Dropless
         and local only (``static_ready``); ``record`` turns the routing of the real rows into ``last_stats``."""
+        if not torch.compiler.is_compiling():
+            self.register_op()
         routing = self.router(x)
         tokens, k = routing.topk_idx.shape
         experts = self.experts
@@ -185,7 +197,7 @@ class MoELayer(nn.Module):
                 y = y + experts.down_bias.index_select(0, chosen)
             y = (y.view(tokens, k, -1) * routing.topk_weight.to(y.dtype)[..., None]).sum(1)
         elif tokens >= self.dense_below:
-            y = self._grouped_outside_graph(x, routing)
+            y = grouped_experts(x, routing.topk_idx, routing.topk_weight, self.op_key)
         else:
             every = experts.padded(x.expand(self.num_experts, *x.shape))                     # (E, T, H)
             combine = torch.zeros(tokens, self.num_experts, dtype=every.dtype, device=x.device)

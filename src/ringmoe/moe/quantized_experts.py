@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..quant import QuantizedWeight, QuantScheme
-from ..quant.matmul import quantized_linear
+from ..quant import QuantizedWeight, QuantScheme, quantized_linear
 from .experts import activate
 
 __all__ = ["QuantizedSwiGLUExperts"]

@@ -94,6 +94,8 @@ class DecodeGraph:
     def __init__(self, runner, compile: bool = True):
         self.runner = runner
         self.compiled = compile
+        for _, layer in runner.model.moe_layers():  # the experts' operator finds these layers (not a copy's)
+            layer.mlp.register_op()
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
         # on a GPU "reduce-overhead" also records each bucket's step as a CUDA graph (one launch per step)

@@ -342,10 +342,12 @@ class Engine:
         """Drafts for every running request about to decode one token (``can_speculate``), as many as its
         max_tokens and the context limit leave after the token the step yields anyway."""
         k = self.speculative_config.num_speculative_tokens
+        limit = self.speculative_config.disable_by_batch_size
         for group in self.groups:
+            busy = limit is not None and len(group.running) >= limit
             for request in group.running:
                 request.draft_ids = []
-                if request.remaining != 1 or not request.output_ids or not can_speculate(
+                if busy or request.remaining != 1 or not request.output_ids or not can_speculate(
                         request.params, len(request.output_ids), request.matcher):
                     continue
                 room = min(k, request.params.max_tokens - len(request.output_ids) - 1,

@@ -204,7 +204,8 @@ def _serve_driver(engine, options: ServeOptions) -> int:
     def started():
         mesh = engine.mesh
         print(f"ringmoe serve: {options.name} on http://{options.host}:{options.port} "
-              f"(cp={mesh.cp} x ep={mesh.ep}, {options.dtype})", flush=True)
+              f"(cp={mesh.cp} x ep={mesh.ep}, {options.dtype}"
+              f"{', KV cache ' + options.kv_cache_dtype if options.kv_cache_dtype != 'auto' else ''})", flush=True)
 
     try:
         code = serve_app(app, options.host, options.port, options.limits, on_started=started)

@@ -36,12 +36,15 @@ MAX_LOOKUP = 64
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` keys: method ("ngram"), num_speculative_tokens, prompt_lookup_min/max."""
+    """vLLM's ``--speculative-config`` keys: method ("ngram"), num_speculative_tokens, prompt_lookup_min/max, and
+    disable_by_batch_size: no drafts in a step whose ep group runs at least this many requests (where a step is
+    compute-bound, verifying k + 1 tokens per request costs more than the accepted drafts save; None: always)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method != "ngram":
@@ -52,6 +55,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
                 raise ValueError(f"speculative_config.{name} must be an int in [1, {high}], got {value!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be a positive int, got {limit!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -68,7 +74,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config must be a JSON object: {error}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {sorted(known)}")
