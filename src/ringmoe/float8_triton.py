@@ -19,24 +19,29 @@ __all__ = ["e4m3", "e2m1", "e8m0"]
 
 
 @triton.jit
-def e4m3(bits):
+def _minifloat(bits, MANTISSA_BITS: tl.constexpr, EXPONENT_MASK: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+               BIAS: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
+    """Sign, exponent and mantissa fields -> float32: 2^(e - bias) (1 + m / 2^M) for e > 0, m x SUBNORMAL_STEP
+    (= 2^(1 - bias - M)) for e = 0; returns (value, the code as int32)."""
     b = bits.to(tl.int32)
-    exponent = (b >> 3) & 0xF
-    mantissa = (b & 0x7).to(tl.float32)
-    normal = (1.0 + mantissa * 0.125) * tl.exp2((exponent - 7).to(tl.float32))
-    magnitude = tl.where(exponent == 0, mantissa * 0.001953125, normal)      # 2^-9 per subnormal step
-    magnitude = tl.where((b & 0x7F) == 0x7F, float("nan"), magnitude)
-    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+    exponent = (b >> MANTISSA_BITS) & EXPONENT_MASK
+    mantissa = (b & ((1 << MANTISSA_BITS) - 1)).to(tl.float32)
+    normal = (1.0 + mantissa / (1 << MANTISSA_BITS)) * tl.exp2((exponent - BIAS).to(tl.float32))
+    magnitude = tl.where(exponent == 0, mantissa * SUBNORMAL_STEP, normal)
+    sign = (b >> SIGN_SHIFT) & 1
+    return tl.where(sign != 0, -magnitude, magnitude), b
+
+
+@triton.jit
+def e4m3(bits):
+    value, b = _minifloat(bits, 3, 0xF, 7, 7, 0.001953125)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit
 def e2m1(code):
-    c = code.to(tl.int32)
-    exponent = (c >> 1) & 0x3
-    mantissa = (c & 0x1).to(tl.float32)
-    normal = (1.0 + mantissa * 0.5) * tl.exp2((exponent - 1).to(tl.float32))
-    magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
-    return tl.where((c & 0x8) != 0, -magnitude, magnitude)
+    value, _ = _minifloat(code, 1, 0x3, 3, 1, 0.5)
+    return value
 
 
 @triton.jit
