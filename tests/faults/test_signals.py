@@ -39,7 +39,7 @@ def _start_demo_with_ranks(world: int = 4) -> tuple[subprocess.Popen, list[int]]
     while time.monotonic() < deadline:
         ranks = _children(demo.pid)
         if len(ranks) >= world:
-            time.sleep(1.0)  # let the ranks get into their work
+            time.sleep(5.0)  # let the ranks get into their work (importing torch takes 5-8 s on a busy 2-core machine)
             return demo, _children(demo.pid)
         if demo.poll() is not None:
             break
