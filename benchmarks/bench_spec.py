@@ -1,5 +1,7 @@
-"""Speculative decoding with n-gram prompt lookup: output tokens/s and mean accepted length, with and without it.
+"""Speculative decoding, n-gram prompt lookup and DeepSeek-V3 MTP: output tokens/s and accepted lengths, with and
+without it.
 
+n-gram (``--only ngram``):
 Model: the trained demo model (``make demo``'s, trained here once if absent: ~3 minutes), float32, 2 threads.
 Prompts: code completion of the standard library's sources (each prompt: the first ~400 tokens of a .py file;
 code repeats its identifiers, so the continuation often copies an earlier run), greedy, 64 new tokens.
@@ -8,14 +10,22 @@ Each concurrency runs four engines: eager / compiled decode graph, each without 
 ``{"method": "ngram", "num_speculative_tokens": K}`` (steps without drafts use the compiled graph too).
 Greedy outputs are checked equal with and without speculation.
 
-Writes benchmarks/results/spec.json and spec.png.
+MTP (``--only mtp``): the demo's size in DeepSeek-V3's form trained with its multi-token prediction module by the
+demo's recipe (``apps.demo_model.MTP_TRAINING``: ``ringmoe train --preset deepseek-v3-demo --mtp``, cached), exported
+with its MTP layer and served by the engine with ``{"method": "mtp", "num_speculative_tokens": k}``, k = 1, 2, on
+held-out files (the validation split the training never saw), greedy; eager engine (MLA has no compiled decode
+graph).  Also the training's teacher-forced figure: how often the module's first draft equals the model's next
+greedy token on held-out text.
 
-    python benchmarks/bench_spec.py [--concurrency 1,4,16] [--k 4] [--new 64]
+Writes benchmarks/results/spec.json (one run of one part keeps the other part's figures) and spec.png.
+
+    python benchmarks/bench_spec.py [--only ngram|mtp] [--concurrency 1,4,16] [--k 4] [--new 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -26,15 +36,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pyplot, write_results  # noqa: E402
 
-from ringmoe.apps.demo_model import trained_demo_checkpoint  # noqa: E402
+from ringmoe.apps.demo_model import MTP_TRAINING, default_cache, trained_demo_checkpoint  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
-from ringmoe.text.corpus import stdlib_texts  # noqa: E402
+from ringmoe.text.corpus import split_corpus, stdlib_texts  # noqa: E402
 
 PROMPT_TOKENS = 400
 
 
-def prompts(tokenizer, count: int) -> list[list[int]]:
-    texts = [t for t in stdlib_texts() if len(t) > 4000]
+def prompts(tokenizer, count: int, held_out: bool = False) -> list[list[int]]:
+    """The first PROMPT_TOKENS tokens of ``count`` long stdlib files (``held_out``: from the validation split)."""
+    texts = split_corpus(stdlib_texts())[1] if held_out else stdlib_texts()
+    texts = [t for t in texts if len(t) > 4000]
     random.Random(0).shuffle(texts)
     return [tokenizer.encode(t)[:PROMPT_TOKENS] for t in texts[:count]]
 
@@ -61,9 +73,10 @@ def run(path, prompt_ids, concurrency, new, spec, graph):
             "compile_s": engine.compile_seconds}, [o.output_ids for o in outs]
 
 
-def plot(rows, path):
+def plot(data, path):
+    rows, mtp_rows = data
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     levels = sorted({r["concurrency"] for r in rows})
     for label, spec, graph in (("eager", False, False), ("eager + n-gram", True, False),
                                ("compiled", False, True), ("compiled + n-gram", True, True)):
@@ -75,30 +88,79 @@ def plot(rows, path):
     ax.set_ylabel("output tokens / s")
     ax.set_title("n-gram speculative decoding, stdlib code completion, demo model")
     ax.legend()
+    levels = sorted({r["concurrency"] for r in mtp_rows})
+    for k in sorted({r["k"] for r in mtp_rows}):
+        ys = [next(r["tokens_per_s"] for r in mtp_rows if r["concurrency"] == c and r["k"] == k) for c in levels]
+        ax2.plot(levels, ys, marker="o", label=f"MTP, {k} draft(s)" if k else "no speculation",
+                 linestyle="--" if not k else "-")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("concurrent requests")
+    ax2.set_ylabel("output tokens / s")
+    ax2.set_title("DeepSeek-V3 MTP drafts, held-out stdlib files, deepseek-v3-demo")
+    ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def mtp_part(levels: list[int], new: int) -> dict:
+    """The MTP rows: plain vs k = 1, 2 drafts at each concurrency, and the training's teacher-forced acceptance."""
+    from ringmoe.text import Tokenizer
+
+    path = trained_demo_checkpoint(default_cache() / "demo-deepseek-mtp", training=MTP_TRAINING)
+    training = json.loads((path.parent / "summary.json").read_text())
+    tokenizer = Tokenizer(path)
+    rows = []
+    for concurrency in levels:
+        prompt_ids = prompts(tokenizer, max(4, concurrency), held_out=True)
+        outputs = {}
+        for k in (0, 1, 2):
+            spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+            row, outputs[k] = run(path, prompt_ids, concurrency, new, spec, False)
+            row.update(concurrency=concurrency, k=k)
+            rows.append(row)
+            print(f"c={concurrency:3d} mtp k={k}: {row['tokens_per_s']:7.1f} tok/s  mean accepted length "
+                  f"{row['mean_accepted_length']:.2f}  per position {row['acceptance_per_position']}", flush=True)
+        for row in rows[-3:]:
+            row["same_tokens_as_plain"] = outputs[row["k"]] == outputs[0]
+    summary = {str(c): {f"mtp_k{k}_vs_plain": next(r["tokens_per_s"] for r in rows if r["concurrency"] == c
+                                                   and r["k"] == k)
+                        / next(r["tokens_per_s"] for r in rows if r["concurrency"] == c and r["k"] == 0)
+                        for k in (1, 2)} for c in levels}
+    return {"training": {key: training.get(key) for key in ("steps", "val_loss", "unigram_entropy", "mtp_val_loss",
+                                                             "mtp_draft_acceptance")},
+            "recipe": MTP_TRAINING, "rows": rows, "summary": summary}
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=["ngram", "mtp"], default=None)
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    previous = Path(__file__).resolve().parent / "results" / "spec.json"
+    kept = json.loads(previous.read_text()) if previous.is_file() else {}
+    ngram = ngram_part(levels, args.k, args.new) if args.only != "mtp" else {
+        key: kept.get(key) for key in ("config", "rows", "summary")}
+    mtp = mtp_part(levels, args.new) if args.only != "ngram" else kept.get("mtp")
+    write_results("spec", {**ngram, "mtp": mtp}, plot, (ngram["rows"] or [], (mtp or {}).get("rows", [])))
+
+
+def ngram_part(levels: list[int], k: int, new: int) -> dict:
     path = trained_demo_checkpoint()
     from ringmoe.text import Tokenizer
 
     tokenizer = Tokenizer(path)
-    levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     for concurrency in levels:
         prompt_ids = prompts(tokenizer, max(4, concurrency))
         outputs = {}
         for graph in (False, True):
             for speculative in (False, True):
-                row, outputs[(graph, speculative)] = run(path, prompt_ids, concurrency, args.new,
+                row, outputs[(graph, speculative)] = run(path, prompt_ids, concurrency, new,
                                                          spec if speculative else None, graph)
                 row.update(concurrency=concurrency, spec=speculative, compiled=graph)
                 rows.append(row)
@@ -119,9 +181,8 @@ def main():
             "mean_accepted_length": pick[(True, False)]["mean_accepted_length"],
         }
         print(concurrency, summary[str(concurrency)])
-    write_results("spec", {"config": {"k": args.k, "new_tokens": args.new, "prompt_tokens": PROMPT_TOKENS,
-                                      "speculative_config": spec, "model": "trained demo model", "dtype": "float32"},
-                           "rows": rows, "summary": summary}, plot, rows)
+    return {"config": {"k": k, "new_tokens": new, "prompt_tokens": PROMPT_TOKENS, "speculative_config": spec,
+                       "model": "trained demo model", "dtype": "float32"}, "rows": rows, "summary": summary}
 
 
 if __name__ == "__main__":

@@ -295,6 +295,12 @@ def _add_train(sub) -> None:
     train.add_argument("--aux-coef", type=_positive_float, default=1e-2, help="balancing loss weight (default 0.01)")
     train.add_argument("--bias-rate", type=_positive_float, default=1e-3,
                        help="selection-bias step per update with --balance bias (default 0.001)")
+    train.add_argument("--mtp", action="store_true",
+                       help="train a DeepSeek-V3 multi-token prediction module with the model (a DeepSeek-V3 preset); "
+                            "exported as its num_nextn_predict_layers layer, it drafts for `serve --speculative-config "
+                            "'{\"method\": \"mtp\"}'`")
+    train.add_argument("--mtp-lambda", type=_positive_float, default=0.3,
+                       help="weight of the MTP loss (default 0.3, DeepSeek-V3's)")
     train.add_argument("--eval-every", type=_positive, default=50)
     train.add_argument("--save-every", type=_positive, default=100)
     train.add_argument("--seed", type=int, default=0)
@@ -328,7 +334,7 @@ def _train(args) -> int:
                            ep=args.ep, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
                            seqlen=args.seqlen, tokens_per_step=args.tokens_per_step, steps=args.steps,
                            minutes=args.minutes, lr=args.lr, warmup=args.warmup, balance=args.balance,
-                           aux_coef=args.aux_coef, bias_rate=args.bias_rate,
+                           aux_coef=args.aux_coef, bias_rate=args.bias_rate, mtp=args.mtp, mtp_lambda=args.mtp_lambda,
                            eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,
                            bf16=args.bf16, activation_checkpointing=args.activation_checkpointing,
                            log_every=args.log_every)
@@ -346,6 +352,9 @@ def _train(args) -> int:
     result = run_training(options, console, args.launcher)
     console.print(f"trained {result['steps']} steps: validation loss {result['val_loss']:.3f} nats "
                   f"(unigram entropy {result['unigram_entropy']:.3f}); transformers checkpoint: {result['hf']}")
+    if "mtp_draft_acceptance" in result:
+        console.print(f"MTP: validation loss {result['mtp_val_loss']:.3f} nats (two tokens ahead); its greedy draft "
+                      f"matches the model's next greedy token at {result['mtp_draft_acceptance']:.1%} of positions")
     return 0
 
 

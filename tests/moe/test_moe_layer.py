@@ -157,6 +157,13 @@ def test_aux_loss_has_gradients_and_bias_update_balances():
     assert torch.allclose(layer.router.correction_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
 
 
+def test_group_limited_routing_of_an_empty_batch():
+    """A rank with no tokens in a step (an ep group with no request) still routes its empty batch: (0, hidden)."""
+    layer = MoELayer(8, 8, 6, 2, router="sigmoid_bias", n_group=3, topk_group=2)
+    out = layer(torch.randn(0, 8))
+    assert out.shape == (0, 8) and int(layer.last_stats.tokens_per_expert.sum()) == 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="top_k"):
         MoELayer(8, 8, 4, 5)

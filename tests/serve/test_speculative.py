@@ -125,6 +125,101 @@ def test_prefix_cache_entries_hold_only_accepted_tokens():
     assert [a[0] for a in again] == [w[-1] for w in want]
 
 
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def _mtp_model(seed=1, mesh=None):
+    model = MoETransformer(preset("deepseek-v3-tiny").replace(mtp_layers=1), mesh).double()
+    model.init_weights(seed, std=0.3)
+    return model
+
+
+@torch.no_grad()
+def _dense_mtp_drafts(model, ids, k):
+    """The MTP module's greedy drafts after ``ids`` (the last one not yet fed), computed densely from scratch:
+    position i reads (h_i, t_{i+1}); the chained drafts read the module's own state and its previous draft."""
+    tokens = torch.tensor([ids])
+    previous, ahead = model.hidden_states(tokens[:, :-1]), tokens[:, 1:]
+    drafts = []
+    for _ in range(k):
+        states = model.mtp_hidden_states(previous, ahead, torch.arange(ahead.shape[1]), model.causal_attention())
+        drafts.append(int(model.lm_head(states[0, -1]).argmax()))
+        previous = torch.cat([previous, states[:, -1:]], dim=1)
+        ahead = torch.cat([ahead, torch.tensor([[drafts[-1]]])], dim=1)
+    return drafts
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(kv_cache_tokens=72, max_num_batched_tokens=10),
+                                      dict(kv_cache_dtype="fp8")])
+def test_mtp_drafts_are_the_modules_guesses_and_decoding_stays_exact(settings):
+    """DeepSeek-V3 with its MTP module (latent cache, MoE in the module): at every step each request's MTP drafts
+    equal the module's greedy guesses computed densely from scratch (its paged cache caught up on exactly the
+    accepted positions, chained drafts included); the tokens and float64 logprobs equal decoding without
+    speculation, with the module's own drafts and with an oracle's (every draft accepted: several positions caught
+    up per step), under preemption and a budget that cuts drafts, and with an FP8 cache."""
+    model = _mtp_model()
+    want, want_logprobs = _decode(Engine(model, block_size=4, **{k: v for k, v in settings.items()
+                                                                   if k == "kv_cache_dtype"}))
+    oracle = Oracle(PROMPTS, want)
+    for use_oracle in (False, True):
+        engine = Engine(model, block_size=4, speculative_config=MTP, **settings)
+        if use_oracle:
+            engine.mtp.propose = lambda request, room: oracle.propose(request.all_ids, room)
+        checked = 0
+        step = engine.step
+
+        def checked_step():
+            nonlocal checked
+            outputs = step()
+            for request in engine.requests.values():
+                if request.mtp_drafts and "kv_cache_dtype" not in settings:  # fp8 K/V: not the dense module's
+                    assert request.mtp_drafts == _dense_mtp_drafts(model, request.all_ids, len(request.mtp_drafts))
+                    checked += 1
+            return outputs
+
+        engine.step = checked_step
+        got, logprobs = _decode(engine)
+        assert got == want, (settings, use_oracle)
+        assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+        assert engine.spec_stats.num_draft_tokens > 20
+        if use_oracle:
+            assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens
+        assert checked > 10 or "kv_cache_dtype" in settings
+        if "kv_cache_tokens" in settings:
+            assert engine.num_preemptions > 0
+
+
+def _mtp_mesh_rank(rank, world):
+    engine = Engine(_mtp_model(mesh=make_mesh(1, 2)), block_size=4, speculative_config=MTP)
+    if rank != 0:
+        engine.run_worker()
+        return None
+    got = _decode(engine, check_every_step=False)
+    engine.shutdown()
+    return got, engine.spec_stats.num_draft_tokens
+
+
+def test_mtp_drafting_on_an_expert_parallel_mesh_gives_the_same_tokens():
+    """ep = 2: the module's MoE exchanges its tokens between the ranks in passes of their own (every rank runs each
+    catch-up and draft pass, with or without requests of its group)."""
+    want, want_logprobs = _decode(Engine(_mtp_model(), block_size=4))
+    (got, logprobs), drafted = spawn(_mtp_mesh_rank, 2, timeout=180)[0]
+    assert got == want and drafted > 20
+    assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+
+
+def test_from_checkpoint_loads_the_mtp_layer_for_mtp_drafting(tmp_path):
+    from ringmoe.model import save_pretrained
+
+    model = _mtp_model()
+    save_pretrained(model, tmp_path)
+    plain = Engine.from_checkpoint(tmp_path, dtype=torch.float64)
+    assert not list(plain.model.mtp_layers) and len(plain.runner.k_cache) == 3
+    engine = Engine.from_checkpoint(tmp_path, dtype=torch.float64, speculative_config={"method": "mtp"})
+    assert list(engine.model.mtp_layers) == ["3"] and len(engine.runner.k_cache) == 4
+    assert _decode(engine)[0] == _decode(plain)[0] and engine.spec_stats.num_draft_tokens > 0
+
+
 def _contains(sequence, run):
     return any(sequence[i:i + len(run)] == run for i in range(0, len(sequence) - len(run) + 1, len(run)))
 
@@ -214,7 +309,7 @@ def test_drafting_stops_from_disable_by_batch_size_running_requests():
 
 
 def test_bad_speculative_configs_are_refused_naming_the_key():
-    for config, match in [({"method": "mtp"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    for config, match in [({"method": "eagle"}, "method"), ({"method": "mtp", "prompt_lookup_max": 2}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                           ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
                           ({"draft_model": "x"}, "unsupported key"), ("not json", "JSON object"), ([1], "JSON object"),
                           ({"disable_by_batch_size": 0}, "disable_by_batch_size")]:
@@ -222,6 +317,10 @@ def test_bad_speculative_configs_are_refused_naming_the_key():
             SpeculativeConfig.parse(config)
     with pytest.raises(ValueError, match="deterministic"):
         Engine(_model("tiny"), speculative_config=NGRAM, deterministic=True)
+    with pytest.raises(ValueError, match="multi-token prediction"):
+        Engine(_model("deepseek-v3-tiny"), speculative_config={"method": "mtp"})
+    assert SpeculativeConfig.parse({"method": "mtp"}).num_speculative_tokens == 1
+    assert SpeculativeConfig.parse({"method": "ngram"}).num_speculative_tokens == 4
 
 
 def test_metrics_count_drafts_with_vllms_names():

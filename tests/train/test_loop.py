@@ -36,14 +36,14 @@ def _run(rank, world, cp, ep, layout, balance, steps, config=CONFIG, mla_ring="a
     for name, param in model.named_parameters():
         value = param.detach().clone()
         if name in model.expert_parameters():  # every expert, gathered over the ep group
-            layer = model.layers[int(name.split(".")[1])]
+            layer = model.decoder_layer(int(name.split(".")[1]))
             full = torch.zeros(config.num_experts, *value.shape[1:], dtype=value.dtype)
             full[layer.mlp.slot_experts] = value
             if mesh.ep_group is not None:
                 torch.distributed.all_reduce(full, group=mesh.ep_group)
             value = full
         state[name] = value
-    biases = [layer.mlp.router.correction_bias.clone() for _, layer in model.moe_layers()]
+    biases = [layer.mlp.router.correction_bias.clone() for _, layer in model.moe_layers(with_mtp=True)]
     return history, state, biases
 
 
@@ -112,10 +112,61 @@ def test_deepseek_steps_with_the_latent_ring_equal_one_process():
             assert (value - want_state[name]).abs().max() < 1e-10, name
 
 
+@pytest.mark.parametrize("cp, ep", [(2, 2), (3, 1)])
+def test_multi_token_prediction_steps_on_a_mesh_equal_one_process(cp, ep):
+    """DeepSeek-V3 with its MTP module: the MTP loss (the token two places ahead, inside packed documents, the
+    sharded next tokens as its inputs), the module's experts over the ep group and its router's bias: every rank's
+    losses, gradients' norm, weights and biases equal one process's (float64)."""
+    config = preset("deepseek-v3-tiny").replace(mtp_layers=1)
+    want_history, want_state, want_bias = spawn(_run, 1, 1, 1, "zigzag", "bias", 2, config, timeout=120)[0]
+    assert all(h["mtp_loss"] > 0 for h in want_history) and len(want_bias) == 3  # two main MoE layers + MTP
+    assert any(name.startswith("mtp_layers.3.mlp.experts") for name in want_state)
+    for history, state, bias in spawn(_run, cp * ep, cp, ep, "zigzag", "bias", 2, config, timeout=240):
+        for got, want in zip(history, want_history):
+            for key in ("loss", "mtp_loss", "grad_norm"):
+                assert abs(got[key] - want[key]) < 1e-10, key
+        for name, value in state.items():
+            assert (value - want_state[name]).abs().max() < 1e-10, name
+        for got, want in zip(bias, want_bias):
+            assert torch.equal(got, want)
+
+
+def test_the_mtp_loss_is_the_cross_entropy_two_tokens_ahead():
+    """One process, float64: the trainer's MTP loss equals the mean cross entropy, over positions whose token two
+    places ahead lies in their document, of lm_head(MTP(h_i, Emb(t_{i+1}))) against t_{i+2}; the step's loss is
+    the main loss + lambda x that (no balancing terms: balance "none", z 0)."""
+    import torch.nn.functional as F
+
+    config = preset("deepseek-v3-tiny").replace(mtp_layers=1)
+    model = MoETransformer(config).double()
+    model.init_weights(7, std=0.2)
+    trainer = Trainer(model, TrainConfig(rows=2, balance="none", z_coef=0.0, mtp_lambda=0.25), _stream())
+    batch = trainer._local_batch()
+    with torch.no_grad():
+        lm, mtp = trainer._losses(batch)
+        want_lm, want_mtp, count_lm, count_mtp = 0.0, 0.0, 0, 0
+        for row in range(2):  # each sequence on its own, each document on its own: dense causal attention
+            ids, cu = trainer.stream.sequence(row)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                doc = ids[a:b][None]
+                hidden = model.hidden_states(doc, torch.arange(b - a))
+                want_lm += F.cross_entropy(model.lm_head(hidden[0, :-1]), doc[0, 1:], reduction="sum")
+                count_lm += b - a - 1
+                if b - a > 2:
+                    mtp_hidden = model.mtp_hidden_states(hidden[:, :-1], doc[:, 1:], torch.arange(b - a - 1),
+                                                         model.causal_attention())
+                    want_mtp += F.cross_entropy(model.lm_head(mtp_hidden[0, :-1]), doc[0, 2:], reduction="sum")
+                    count_mtp += b - a - 2
+    assert abs(float(lm) - float(want_lm) / count_lm) < 1e-10
+    assert abs(float(mtp) - float(want_mtp) / count_mtp) < 1e-10
+    assert batch.valid == [count_lm, count_mtp]
+
+
 def test_labels_stay_inside_documents():
     ids = torch.arange(10)
     cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
     assert next_token_labels(ids, cu).tolist() == [1, 2, -100, -100, 5, 6, 7, 8, 9, -100]
+    assert next_token_labels(ids, cu, 2).tolist() == [2, -100, -100, -100, 6, 7, 8, 9, -100, -100]
     stream = _stream()
     seq, bounds = stream.sequence(1)
     assert bounds[0] == 0 and bounds[-1] == 24 and (bounds[1:] > bounds[:-1]).all()

@@ -66,6 +66,37 @@ def test_train_on_a_mesh_from_a_jsonl(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_train_with_mtp_exports_a_checkpoint_that_serves_mtp_drafts(tmp_path, capsys):
+    """`ringmoe train --preset deepseek-v3-tiny --mtp` on an ep = 2 mesh: the metrics carry the MTP loss and its
+    held-out figures, the export holds the MTP layer (num_nextn_predict_layers 1, model.layers.3.*), and the engine
+    drafts with it, writing the text it writes without speculation; --mtp on a family without MTP is refused."""
+    from safetensors import safe_open
+
+    from ringmoe.serve import Engine, SamplingParams
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 5)})
+                              for i in range(200)))
+    out = tmp_path / "mtp"
+    assert main(["train", "--out", str(out), "--data", str(data), "--ep", "2", "--steps", "4", "--preset",
+                 "deepseek-v3-tiny", "--mtp", "--mtp-lambda", "0.5", "--seqlen", "64", "--tokens-per-step", "256",
+                 "--eval-every", "2", "--save-every", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "MTP: validation loss" in printed and "mtp val" in printed
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mtp_loss"] > 0 for r in rows) and 0 <= rows[-1]["mtp_draft_acceptance"] <= 1
+    assert json.loads((out / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    with safe_open(out / "hf" / "model.safetensors", "pt") as f:
+        assert {"model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.7.up_proj.weight"} <= set(f.keys())
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = Engine.from_checkpoint(out / "hf").generate(["def f3(x):\n"], params)[0]
+    engine = Engine.from_checkpoint(out / "hf", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert engine.generate(["def f3(x):\n"], params)[0].output_ids == plain.output_ids
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert main(["train", "--out", str(tmp_path / "x"), "--preset", "tiny", "--mtp"]) == 2
+    assert "--mtp trains DeepSeek-V3's multi-token prediction module" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # `make test-all`
 def test_train_under_torchrun(tmp_path):
     import subprocess

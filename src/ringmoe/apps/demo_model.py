@@ -19,7 +19,7 @@ from ..model import MoETransformer, preset, save_pretrained
 from ..text import stdlib_texts, train_tokenizer
 from ..train.run import TrainOptions, run_training
 
-__all__ = ["build_demo_checkpoint", "trained_demo_checkpoint", "DEMO_TRAINING", "default_cache"]
+__all__ = ["build_demo_checkpoint", "trained_demo_checkpoint", "DEMO_TRAINING", "MTP_TRAINING", "default_cache"]
 
 
 def default_cache() -> Path:
@@ -53,6 +53,11 @@ def build_demo_checkpoint(folder: str | Path | None = None, preset_name: str = "
 # stalls near the unigram entropy and the router collapses onto two experts; at 0.01 it stays collapsed longer.
 DEMO_TRAINING = dict(preset="demo", seqlen=128, tokens_per_step=2048, steps=500, lr=2e-3, aux_coef=0.1, warmup=20,
                      balance="aux", eval_every=100, save_every=500, log_every=50)
+
+
+# the demo's recipe on the demo's size in DeepSeek-V3's form, with its multi-token prediction module (the MTP
+# speculative-decoding benchmark's model: benchmarks/bench_spec.py --only mtp)
+MTP_TRAINING = {**DEMO_TRAINING, "preset": "deepseek-v3-demo", "mtp": True}
 
 
 def trained_demo_checkpoint(folder: str | Path | None = None, retrain: bool = False, console=None,

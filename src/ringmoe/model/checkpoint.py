@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..jsonio import read_json
 from ..parallel.mesh import Mesh
-from .checkpoint_names import EXPERT, FUSED, ROLE, expect_shape, ringmoe_name
+from .checkpoint_names import EXPERT, FUSED, ROLE, expect_shape, is_loaded, ringmoe_name
 from .config import ModelConfig, config_from_hf
 from .quantize import quantize_model, requested_scheme
 from .quantized_loading import QuantizedReader, build_quantized, plan_quantized
@@ -64,6 +64,19 @@ def _open_safetensors(file: Path):
         raise ValueError(f"{str(file)!r} is not a valid safetensors file ({error})") from None
 
 
+def _mtp_layers_present(path: Path, config: ModelConfig) -> int:
+    """How many of config.json's num_nextn_predict_layers the checkpoint holds (transformers writes the field, 1 by
+    default for DeepSeek-V3, but never the layers: only checkpoints as DeepSeek ships them have them)."""
+    files = _tensor_files(path)
+    return sum(1 for k in range(config.mtp_layers) if f"model.layers.{config.num_layers + k}.eh_proj.weight" in files)
+
+
+def _model_files(path: Path, config: ModelConfig) -> dict[str, Path]:
+    """``_tensor_files`` without the tensors a model of ``config`` does not read (``is_loaded``)."""
+    return {name: file for name, file in _tensor_files(path).items()
+            if is_loaded(name, config.num_layers, config.mtp_layers)}
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index of a sharded checkpoint or the single file."""
     index = path / "model.safetensors.index.json"
@@ -92,6 +105,7 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     which reads only safetensors headers.  Raises ValueError naming the file or tensor at fault.
     """
     config = load_config(path)
+    config = config.replace(mtp_layers=_mtp_layers_present(Path(path), config))
     with torch.device("meta"):
         model = MoETransformer(config)
     load_weights(model, path, dry_run=True)
@@ -151,10 +165,10 @@ class _Reader:
 
 
 def _layer_of(model: MoETransformer, name: str, number: int):
-    if not 0 <= number < model.config.num_layers:
+    if not 0 <= number < model.config.num_layers + model.config.mtp_layers:
         raise ValueError(f"checkpoint tensor {name!r} belongs to layer {number}, but config.json has "
                          f"{model.config.num_layers} layers")
-    return model.layers[number]
+    return model.decoder_layer(number)
 
 
 def _stack_experts(model: MoETransformer, experts: dict, dry_run: bool) -> set[str]:
@@ -162,7 +176,7 @@ def _stack_experts(model: MoETransformer, experts: dict, dry_run: bool) -> set[s
     (only the biases where the experts are quantized: their codes are read by quantized_loading); the
     parameter names filled."""
     config, filled = model.config, set()
-    for index, layer in model.moe_layers():
+    for index, layer in model.moe_layers(with_mtp=True):
         mine = layer.mlp.experts
         quantized = not isinstance(mine.gate_up, nn.Parameter)
         roles = (() if quantized else ("gate", "up", "down")) + (
@@ -179,7 +193,7 @@ def _stack_experts(model: MoETransformer, experts: dict, dry_run: bool) -> set[s
             if config.expert_bias:
                 mine.gate_up_bias.copy_(torch.cat([stacked["gate_bias"], stacked["up_bias"]], dim=1))
                 mine.down_bias.copy_(stacked["down_bias"])
-        filled.update(f"layers.{index}.mlp.experts.{p}" for p, _ in mine.named_parameters())
+        filled.update(f"{model.layer_name(index)}.mlp.experts.{p}" for p, _ in mine.named_parameters())
     return filled
 
 
@@ -191,9 +205,9 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
     Raises ValueError naming the tensor or file that does not fit the model's config.
     """
     path = Path(path)
-    files = _tensor_files(path)
-    params, expert_params = dict(model.named_parameters()), model.expert_parameters()
     config = model.config
+    files = _model_files(path, config)
+    params, expert_params = dict(model.named_parameters()), model.expert_parameters()
     h, f = config.hidden_size, config.ffn_size
     report, filled = LoadReport(), set()
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, gate|up|down) -> expert -> weight
@@ -202,7 +216,7 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
         read = _Reader(files, {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())},
                        dry_run, report)
         if config.quantization is not None:
-            plan = plan_quantized(config.quantization, {name: read.dtype(name) for name in files})
+            plan = plan_quantized(config.quantization, {name: read.dtype(name) for name in files}, config.num_layers)
             build_quantized(model, plan)
             quantized = QuantizedReader(model, plan, dry_run)
             params, expert_params = dict(model.named_parameters()), model.expert_parameters()
@@ -211,7 +225,7 @@ def load_weights(model: MoETransformer, path: str | Path, dry_run: bool = False)
                 continue
             if name.endswith(_QUANTIZATION_SUFFIXES):
                 _check_float(name, read.dtype(name), files[name])
-            short = ringmoe_name(name)
+            short = ringmoe_name(name, config.num_layers)
             if short.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's selection bias (a buffer)
                 bias = read(name)
                 expect_shape(name, bias, (config.num_experts,))
@@ -273,26 +287,34 @@ def _fused_parts(config: ModelConfig, name: str, tensor: torch.Tensor, kind: str
 
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, layout: str = "zigzag", backend: str = "auto",
                     dtype: torch.dtype | None = None, capacity_factor: float | None = None,
-                    overlap_chunks: int = 1, quantization: str | None = None) -> MoETransformer:
+                    overlap_chunks: int = 1, quantization: str | None = None, mtp: bool = False) -> MoETransformer:
     """Build the model a checkpoint directory describes on ``mesh`` and load its weights.
 
     dtype: parameters' dtype (default: the default dtype).  capacity_factor, overlap_chunks: the
     runtime fields of ``ModelConfig``.  The result's logits equal transformers' model of the same checkpoint.
     quantization: "fp8" or "mxfp4" quantizes a float checkpoint once loaded (``quantize_model``; the float
     weights exist until then); a checkpoint that ships quantized loads as it is (the same method, else ValueError).
+    mtp: also build and load the checkpoint's multi-token prediction modules (DeepSeek-V3's
+    num_nextn_predict_layers; ValueError when it has none); without it they are not read.
     """
-    config = load_config(path).replace(capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
+    config = load_config(path)
+    config = config.replace(mtp_layers=_mtp_layers_present(Path(path), config) if mtp else 0)
+    if mtp and not config.mtp_layers:
+        raise ValueError(f"checkpoint {str(path)!r} has no multi-token prediction layer (config.json's "
+                         f"num_nextn_predict_layers is 0 or absent, or its layer's tensors are not there)")
+    config = config.replace(capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
     scheme = requested_scheme(config, quantization)
     if config.quantization is None:
         model = MoETransformer(config, mesh, layout, backend)
     else:
         # built without memory, the quantized modules swapped in, then allocated: the float form of the
         # quantized weights never exists.  Every buffer of the model is zero at init (routers' selection bias).
-        files = _tensor_files(Path(path))
+        files = _model_files(Path(path), config)
         with contextlib.ExitStack() as stack:
             handles = {file: stack.enter_context(_open_safetensors(file)) for file in set(files.values())}
             plan = plan_quantized(config.quantization,
-                                  {name: handles[file].get_slice(name).get_dtype() for name, file in files.items()})
+                                  {name: handles[file].get_slice(name).get_dtype() for name, file in files.items()},
+                                  config.num_layers)
         with torch.device("meta"):
             model = MoETransformer(config, mesh, layout, backend)
             build_quantized(model, plan)

@@ -39,7 +39,9 @@ class ModelConfig:
     DeepSeek-V3: ``kv_lora_rank`` > 0 selects multi-head latent attention (``model/mla.py``) with
     ``q_lora_rank`` (None: a plain q projection), ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
     ``v_head_dim``; head_dim is then nope + rope and num_kv_heads = num_heads (the expanded K/V); router
-    "sigmoid_bias" with ``n_group``, ``topk_group``, ``routed_scaling_factor``.
+    "sigmoid_bias" with ``n_group``, ``topk_group``, ``routed_scaling_factor``; ``mtp_layers`` multi-token
+    prediction modules built after the last layer (``model/mtp.py``; config.json's num_nextn_predict_layers,
+    loaded only when asked: ``load_checkpoint(..., mtp=True)``).
     capacity_factor None = dropless experts.  overlap_chunks (a runtime choice, like capacity): micro-batches
     pipelined through the expert-parallel exchanges so they travel while experts compute; results do not
     depend on it.
@@ -88,6 +90,7 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     quantization: QuantScheme | None = None
+    mtp_layers: int = 0
 
     @property
     def mla(self) -> bool:
@@ -133,11 +136,17 @@ class ModelConfig:
             raise ValueError("MLA needs head_dim = qk_nope_head_dim + qk_rope_head_dim (even rope part), "
                              "num_kv_heads = num_heads and 1 <= v_head_dim <= head_dim")
 
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or not 0 <= self.mtp_layers <= 8:
+            raise ValueError(f"mtp_layers must be an int in [0, 8], got {self.mtp_layers!r}")
+        if self.mtp_layers and self.arch != "deepseek_v3":
+            raise ValueError(f"multi-token prediction layers are DeepSeek-V3's (num_nextn_predict_layers); "
+                             f"arch {self.arch!r} has none")
         check_rope_scaling(dict(self.rope_scaling))
 
     def window(self, layer: int) -> tuple[int, int]:
-        """flash-attn's window_size of ``layer``: (sliding_window - 1, 0) on sliding layers, else unbounded."""
-        if self.sliding_window is None:
+        """flash-attn's window_size of ``layer``: (sliding_window - 1, 0) on sliding layers, else unbounded
+        (the multi-token prediction blocks, ``layer`` >= num_layers, attend to every earlier position)."""
+        if self.sliding_window is None or layer >= self.num_layers:
             return (-1, -1)
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return (-1, -1)
@@ -169,8 +178,10 @@ class ModelConfig:
         moe = layer["router"] + layer["shared"] + experts_per_layer * layer["expert"]
         dense = len(self.dense_layers)
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        h = self.hidden_size
+        mtp = self.mtp_layers * (common + moe + 2 * h * h + 3 * h)  # + eh_proj and the enorm, hnorm, head norms
         return (self.num_layers * common + (self.num_layers - dense) * moe + dense * layer["dense_mlp"]
-                + embeddings + self.hidden_size)  # + the final norm
+                + embeddings + h + mtp)  # + the final norm
 
     def weight_bytes(self, experts_per_layer: int, width: int) -> float:
         """Resident bytes of the weights of a rank holding ``experts_per_layer`` experts per MoE layer: float
@@ -181,9 +192,10 @@ class ModelConfig:
         if self.quantization is None:
             return total * width
         layer, dense = self.params_per_layer, len(self.dense_layers)
-        quantized = (self.num_layers - dense) * experts_per_layer * layer["expert"]
+        moe_layers = self.num_layers - dense + self.mtp_layers
+        quantized = moe_layers * experts_per_layer * layer["expert"]
         if self.quantization.method == "fp8":
-            quantized += (self.num_layers * layer["attention"] + (self.num_layers - dense) * layer["shared"]
+            quantized += ((self.num_layers + self.mtp_layers) * layer["attention"] + moe_layers * layer["shared"]
                           + dense * layer["dense_mlp"])
         return (total - quantized) * width + quantized * self.quantization.bytes_per_value()
 
@@ -207,6 +219,14 @@ PRESETS: dict[str, ModelConfig] = {
     # `make demo` trains this one on the standard library's sources in about two minutes on 2 cores
     "demo": ModelConfig(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
                         ffn_size=256, num_experts=8, top_k=2, rope_theta=1e4),
+    # the demo's size in DeepSeek-V3's form (MLA, sigmoid router with groups, a shared expert, a dense first layer):
+    # `ringmoe train --preset deepseek-v3-demo --mtp` trains it with a multi-token prediction module
+    "deepseek-v3-demo": ModelConfig(arch="deepseek_v3", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4,
+                                    num_kv_heads=4, head_dim=48, ffn_size=128, num_experts=8, top_k=2,
+                                    router="sigmoid_bias", n_group=2, topk_group=2, routed_scaling_factor=1.0,
+                                    shared_ffn_size=128, dense_layers=(0,), dense_ffn_size=256, kv_lora_rank=64,
+                                    q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                    rope_theta=1e4),
     # the other families at the tiny shape (tests, `ringmoe train --preset ...`)
     "gpt-oss-tiny": ModelConfig(arch="gpt_oss", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                                 num_kv_heads=2, head_dim=16, ffn_size=96, num_experts=4, top_k=2, qkv_bias=True,
@@ -306,7 +326,8 @@ def _deepseek_v3(hf: dict) -> dict:
                 dense_layers=tuple(range(first_dense)), dense_ffn_size=hf["intermediate_size"] if first_dense else 0,
                 kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_nope_head_dim=nope,
                 qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
-                rope_interleave=bool(hf.get("rope_interleave", True)))
+                rope_interleave=bool(hf.get("rope_interleave", True)),
+                mtp_layers=int(hf.get("num_nextn_predict_layers") or 0))
 
 
 def _olmoe(hf: dict) -> dict:

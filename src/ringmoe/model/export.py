@@ -6,7 +6,8 @@ Mixtral, ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` for Qwen3-MoE, Qwen2-Mo
 gpt-oss: ``experts.gate_up_proj`` (E, H, 2F) with gate and up interleaved, ``down_proj`` (E, F, H) and
 their biases), so transformers' *ForCausalLM of the family loads the folder as is.  A model loaded from a
 quantized checkpoint is written in its format (fp8 codes with ``weight_scale_inv``; mxfp4 ``*_blocks`` and
-``*_scales``) with its ``quantization_config``.
+``*_scales``) with its ``quantization_config``.  DeepSeek-V3's multi-token prediction modules are written as the
+layers past the last, with the copies of the embedding and head its checkpoints carry (``num_nextn_predict_layers``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def config_to_hf(config: ModelConfig, eos_token_id: int | None = None, bos_token
                 "routed_scaling_factor": config.routed_scaling_factor, "kv_lora_rank": config.kv_lora_rank,
                 "q_lora_rank": config.q_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
                 "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
-                "rope_interleave": config.rope_interleave, "attention_bias": False}
+                "rope_interleave": config.rope_interleave, "attention_bias": False,
+                "num_nextn_predict_layers": config.mtp_layers}
     if arch == "olmoe":
         return {**common, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
                 "intermediate_size": config.ffn_size, "num_experts": config.num_experts,
@@ -158,16 +160,20 @@ def _tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.state_dict().items():
         parts = name.split(".")
-        if parts[0] == "layers" and model.layers[int(parts[1])].is_moe and parts[2] == "mlp":
+        if parts[0] in ("layers", "mtp_layers") and model.decoder_layer(int(parts[1])).is_moe and parts[2] == "mlp":
             continue  # MoE blocks below, in the family's names
         if name.endswith(".weight_q.scales"):
             continue  # with its codes
+        hf_name = name.removeprefix("mtp_")  # an MTP module is the checkpoint's layer past the last
         if name.endswith(".weight_q.codes"):
             module = name.removesuffix(".weight_q.codes")
-            out.update(_fp8(f"model.{module}.weight", model.get_submodule(module).weight_q))
+            out.update(_fp8(f"model.{hf_name.removesuffix('.weight_q.codes')}.weight", model.get_submodule(module).weight_q))
             continue
-        out[name if name == "lm_head.weight" else f"model.{name}"] = param
-    for index, layer in model.moe_layers():
+        out[name if name == "lm_head.weight" else f"model.{hf_name}"] = param
+    for index in model.mtp_layers:  # DeepSeek-V3's MTP layers carry copies of the shared embedding and head
+        out[f"model.layers.{index}.embed_tokens.weight"] = model.embed_tokens.weight
+        out[f"model.layers.{index}.shared_head.head.weight"] = model.lm_head.weight
+    for index, layer in model.moe_layers(with_mtp=True):
         prefix = f"model.layers.{index}.{moe}"
         out[f"{prefix}.{router}.weight"] = layer.mlp.router.weight
         if config.arch == "deepseek_v3":

@@ -37,12 +37,12 @@ class QuantPlan:
     expert_layers: set[int] = field(default_factory=set)
 
 
-def plan_quantized(scheme: QuantScheme, dtypes: dict[str, str]) -> QuantPlan:
-    """The plan from every tensor's safetensors dtype (name -> "F8_E4M3", "U8", ...); ValueError naming a
-    quantized tensor without its scales, or in a place ringmoe does not quantize."""
+def plan_quantized(scheme: QuantScheme, dtypes: dict[str, str], num_layers: int) -> QuantPlan:
+    """The plan from every tensor's safetensors dtype (name -> "F8_E4M3", "U8", ...) of a model of ``num_layers``
+    layers; ValueError naming a quantized tensor without its scales, or in a place ringmoe does not quantize."""
     plan = QuantPlan(scheme)
     for name, dtype in dtypes.items():
-        short = ringmoe_name(name)
+        short = ringmoe_name(name, num_layers)
         if scheme.method == "fp8" and dtype == "F8_E4M3":
             if not name.endswith(".weight"):
                 raise ValueError(f"checkpoint tensor {name!r} is F8_E4M3 but not a weight")
@@ -83,9 +83,10 @@ def build_quantized(model: nn.Module, plan: QuantPlan) -> None:
         quantized = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, plan.scheme)
         setattr(model.get_submodule(parent_path) if parent_path else model, attr, _like(quantized, module))
     for index in sorted(plan.expert_layers):
-        if not 0 <= index < config.num_layers or not hasattr(model.layers[index].mlp, "slot_experts"):
+        if not 0 <= index < config.num_layers + config.mtp_layers or not hasattr(
+                model.decoder_layer(index).mlp, "slot_experts"):
             raise ValueError(f"checkpoint stores experts of layer {index} quantized, but that layer has no experts")
-        mlp = model.layers[index].mlp
+        mlp = model.decoder_layer(index).mlp
         if isinstance(mlp.experts, QuantizedSwiGLUExperts):
             continue
         try:
@@ -108,7 +109,7 @@ class QuantizedReader:
         self.filled: set[tuple] = set()
 
     def take(self, name: str, read) -> bool:
-        short = ringmoe_name(name)
+        short = ringmoe_name(name, self.model.config.num_layers)
         if self.plan.scheme.method == "fp8":
             weight_name = name.removesuffix("_scale_inv")
             if weight_name != name and read.has(weight_name) and read.dtype(weight_name) == "F8_E4M3":
@@ -160,7 +161,7 @@ class QuantizedReader:
         self.filled.add((path,))
 
     def _fp8_expert(self, name: str, read, layer: int, expert: int, role: str) -> None:
-        mlp = self.model.layers[layer].mlp
+        mlp = self.model.decoder_layer(layer).mlp
         slots = tuple(slot for slot, e in enumerate(mlp.slot_experts) if e == expert)
         if not slots:
             return  # another rank's expert: never read
@@ -171,7 +172,7 @@ class QuantizedReader:
 
     def _mxfp4_experts(self, name: str, read, layer: int, kind: str) -> None:
         """gpt-oss's fused blocks: each local expert's slice; gate_up's rows interleave gate (even) and up (odd)."""
-        mlp = self.model.layers[layer].mlp
+        mlp = self.model.decoder_layer(layer).mlp
         names = (name, name.removesuffix("blocks") + "scales")
         for slot, expert in enumerate(mlp.slot_experts):
             codes, scales = self._read(names, read, expert)
@@ -186,7 +187,7 @@ class QuantizedReader:
     def check_complete(self) -> None:
         missing = [path for path in sorted(self.plan.linears) if (path,) not in self.filled]
         for layer in sorted(self.plan.expert_layers):
-            for expert in sorted(set(self.model.layers[layer].mlp.slot_experts)):
+            for expert in sorted(set(self.model.decoder_layer(layer).mlp.slot_experts)):
                 missing += [f"layers.{layer} expert {expert} {role}" for role in ("gate", "up", "down")
                             if (layer, role, expert) not in self.filled]
         if missing:

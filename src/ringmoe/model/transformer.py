@@ -19,8 +19,6 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from ..batch_invariant import InvariantLinear
-from ..moe import MoELayer
-from ..moe.experts import SharedExpert
 from ..parallel.layout import check_layout
 from ..parallel.ulysses import check_heads
 from ..parallel.layout import positions as layout_positions
@@ -30,86 +28,12 @@ from ..parallel.varlen import varlen_positions
 from ..parallel.watchdog import activity
 from .attention_backend import AttentionBackend, DenseAttention, PackedAttention, RingAttention, UlyssesAttention
 from .config import ModelConfig
-from .mla import LatentAttention
+from .decoder_layer import Attention, DecoderLayer
+from .mtp import MultiTokenPredictor
 from .norms import RMSNorm
-from .rope import apply_rope, rope_tables
+from .rope import rope_tables
 
 __all__ = ["MoETransformer", "Attention", "DecoderLayer"]
-
-class Attention(nn.Module):
-    """GQA self-attention projections; the attention itself is the ``AttentionBackend`` the model is given.
-
-    Optional, by the config: projection biases, qk-norm per head (Qwen3) or over the whole projection
-    (OLMoE), and attention sinks (gpt-oss: ``sinks`` (heads,), taken by the backend through ``attention_options``).
-    """
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = InvariantLinear(h, self.heads * d, bias=config.qkv_bias)
-        self.k_proj = InvariantLinear(h, self.kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = InvariantLinear(h, self.kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = InvariantLinear(self.heads * d, h, bias=config.o_bias)
-        self.full_qk_norm = config.qk_norm_full
-        norm_q, norm_k = (self.heads * d, self.kv_heads * d) if config.qk_norm_full else (d, d)
-        self.q_norm = RMSNorm(norm_q, config.rms_eps) if config.qk_norm or config.qk_norm_full else None
-        self.k_norm = RMSNorm(norm_k, config.rms_eps) if config.qk_norm or config.qk_norm_full else None
-        self.sinks = nn.Parameter(torch.zeros(self.heads)) if config.attention_sinks else None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend, index: int):
-        b, s, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.full_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, s, self.heads, self.head_dim)
-        k = k.view(b, s, self.kv_heads, self.head_dim)
-        v = v.view(b, s, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.full_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention.attend(index, q, k, v)
-        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
-
-
-def _mlp(config: ModelConfig, index: int, ep_group) -> nn.Module:
-    """Layer ``index``'s MLP: the MoE block, or a dense SwiGLU on the config's dense layers."""
-    if not config.is_moe(index):
-        return SharedExpert(config.hidden_size, config.dense_ffn_size)
-    return MoELayer(config.hidden_size, config.ffn_size, config.num_experts, config.top_k,
-                    router=config.router, normalize_topk=config.normalize_topk,
-                    capacity_factor=config.capacity_factor, group=ep_group, overlap_chunks=config.overlap_chunks,
-                    shared_ffn_size=config.shared_ffn_size, shared_gated=config.shared_gated,
-                    router_bias=config.router_bias, expert_bias=config.expert_bias,
-                    swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha, n_group=config.n_group,
-                    topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, ep_group):
-        super().__init__()
-        self.index = index
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.self_attn = LatentAttention(config) if config.mla else Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.mlp = _mlp(config, index, ep_group)
-
-    @property
-    def is_moe(self) -> bool:
-        return isinstance(self.mlp, MoELayer)
-
-    def forward(self, x, cos, sin, attention: AttentionBackend):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def forward_static(self, x, cos, sin, attention: AttentionBackend):
-        """``forward`` in fixed-shape ops (the MoE block's ``forward_static``): (x, the routing or None)."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
-        if not self.is_moe:
-            return h + self.mlp(self.post_attention_layernorm(h)), None
-        y, routing = self.mlp.forward_static(self.post_attention_layernorm(h)[0])
-        return h + y[None], routing
-
 
 class MoETransformer(nn.Module):
     """The model on one rank of a ``Mesh`` (default: one device).
@@ -145,6 +69,19 @@ class MoETransformer(nn.Module):
         self.lm_head = InvariantLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # DeepSeek-V3's multi-token prediction modules (``mtp.py``), named by their layer index as the checkpoint
+        # numbers them (num_layers, num_layers + 1, ...); built after the rest, so the seeded init of the other
+        # weights does not depend on them
+        self.mtp_layers = nn.ModuleDict({str(i): MultiTokenPredictor(config, i, self.mesh.ep_group)
+                                         for i in range(config.num_layers, config.num_layers + config.mtp_layers)})
+
+    def decoder_layer(self, index: int) -> DecoderLayer:
+        """Layer ``index``: the main layers 0 .. L - 1, then the multi-token prediction modules L .. L + D - 1."""
+        return self.layers[index] if index < len(self.layers) else self.mtp_layers[str(index)]
+
+    def layer_name(self, index: int) -> str:
+        """The module path of layer ``index`` (``decoder_layer``): "layers.{i}" or "mtp_layers.{i}"."""
+        return f"layers.{index}" if index < len(self.layers) else f"mtp_layers.{index}"
 
     # -- forward -------------------------------------------------------------------------
     def local_positions(self, local_len: int) -> torch.Tensor:
@@ -157,7 +94,7 @@ class MoETransformer(nn.Module):
 
     def attention_options(self, index: int) -> dict:
         """Layer ``index``'s window_size and sinks, as the attention functions take them."""
-        return {"window_size": self.config.window(index), "sinks": self.layers[index].self_attn.sinks}
+        return {"window_size": self.config.window(index), "sinks": self.decoder_layer(index).self_attn.sinks}
 
     def causal_attention(self, ring_stats: RingStats | None = None) -> AttentionBackend:
         """Causal self-attention over the whole (sharded) sequence: the ring, Ulysses or both when cp > 1."""
@@ -235,6 +172,23 @@ class MoETransformer(nn.Module):
                 routings.append(routing)
         return self.norm(x)[0], routings
 
+    def mtp_hidden_states(self, previous: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                          attention: AttentionBackend, depth: int = 1) -> torch.Tensor:
+        """Multi-token prediction module ``depth`` (``mtp.py``) over this rank's tokens: previous (B, S, hidden), the
+        normed states one depth down (depth 1: ``hidden_states``), next_ids (B, S) int64 the tokens ``depth``
+        places ahead of each position, positions (S,) as for ``hidden_states``; attention attends with layer
+        index num_layers + depth - 1.  Returns the normed states (B, S, hidden) whose ``lm_head`` logits predict
+        the tokens depth + 1 places ahead."""
+        if not 1 <= depth <= self.config.mtp_layers:
+            raise ValueError(f"depth must lie in [1, {self.config.mtp_layers}] (the model's MTP modules), got {depth}")
+        self._check_ids(next_ids)
+        module = self.mtp_layers[str(self.config.num_layers + depth - 1)]
+        embedded = self.embed_tokens(next_ids)
+        rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
+        cos, sin = rope_tables(positions, rope_dim, self.config.rope_theta, embedded.dtype,
+                               dict(self.config.rope_scaling))
+        return module.predict(previous, embedded, cos, sin, attention)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: AttentionBackend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, positions, attention, ring_stats))
@@ -265,7 +219,7 @@ class MoETransformer(nn.Module):
                 param.fill_(1.0)
                 continue
             if name in experts:
-                layer = self.layers[int(name.split(".")[1])]
+                layer = self.decoder_layer(int(name.split(".")[1]))
                 full = torch.randn((self.config.num_experts, *param.shape[1:]), generator=gen) * std
                 param.copy_(full.index_select(0, torch.tensor(layer.mlp.slot_experts)))
                 continue
@@ -291,9 +245,10 @@ class MoETransformer(nn.Module):
             else:
                 dist.all_reduce(param.grad)
 
-    def moe_layers(self) -> list[tuple[int, DecoderLayer]]:
-        """(index, layer) of the layers whose MLP is a MoE block."""
-        return [(i, layer) for i, layer in enumerate(self.layers) if layer.is_moe]
+    def moe_layers(self, with_mtp: bool = False) -> list[tuple[int, DecoderLayer]]:
+        """(index, layer) of the layers whose MLP is a MoE block (``with_mtp``: the MTP modules' too)."""
+        layers = list(enumerate(self.layers)) + ([(int(i), m) for i, m in self.mtp_layers.items()] if with_mtp else [])
+        return [(i, layer) for i, layer in layers if layer.is_moe]
 
     def moe_stats(self) -> list:
         """The MoEStats of every MoE layer's last forward."""

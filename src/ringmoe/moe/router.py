@@ -122,11 +122,11 @@ class Router(nn.Module):
         """Top-k of ``choice`` (T, E) restricted to the best ``topk_group`` groups."""
         tokens = choice.shape[0]
         if self.n_group > 1:
-            per_group = choice.view(tokens, self.n_group, -1)
+            per_group = choice.view(tokens, self.n_group, choice.shape[1] // self.n_group)  # also for 0 tokens
             group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
             keep = torch.zeros_like(group_score, dtype=torch.bool)
             keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
-            choice = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
+            choice = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, choice.shape[1])
         return torch.topk(choice, self.top_k, dim=-1).indices
 
 

@@ -45,6 +45,7 @@ from .request import Request, RequestOutput, Status
 from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
+from .mtp_drafter import MTPDrafter
 from .speculative import SpeculationStats, SpeculativeConfig, can_speculate, verify_drafts
 from .structured import grammar_masks
 
@@ -126,7 +127,7 @@ class Engine:
                 raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
             c = model.config
             width = c.kv_lora_rank + c.qk_rope_head_dim if c.mla else 2 * c.num_kv_heads * c.head_dim
-            per_token = c.num_layers * width * (1 if fp8_cache else model.embed_tokens.weight.element_size())
+            per_token = (c.num_layers + c.mtp_layers) * width * (1 if fp8_cache else model.embed_tokens.weight.element_size())
             kv_cache_tokens = kv_cache_bytes // per_token
             if kv_cache_tokens < block_size:
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {kv_cache_tokens} tokens "
@@ -140,10 +141,15 @@ class Engine:
                              "token's experts depend on the other tokens of the step")
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         self.deterministic, self.return_logits = deterministic, return_logits
-        self.speculative_config = SpeculativeConfig.parse(speculative_config)
-        if self.speculative_config is not None and (model.mesh.cp > 1 or deterministic):
+        spec = self.speculative_config = SpeculativeConfig.parse(speculative_config)
+        if spec is not None and (model.mesh.cp > 1 or deterministic):
             raise ValueError("speculative decoding needs cp = 1 and the default (non-deterministic) mode")
-        self.drafter = self.speculative_config.drafter() if self.speculative_config is not None else None
+        if spec is not None and spec.method == "mtp" and not model.config.mtp_layers:
+            raise ValueError("speculative_config method 'mtp' needs a model with a multi-token prediction module "
+                             "(load_checkpoint(..., mtp=True); Engine.from_checkpoint loads it for this method)")
+        # drafts for the next step: prompt lookup, or the model's MTP module (run after each step: mtp_drafter.py)
+        self.mtp = MTPDrafter(self, spec.num_speculative_tokens) if spec is not None and spec.method == "mtp" else None
+        self.drafter = self.mtp if self.mtp is not None else spec.drafter() if spec is not None else None
         self.spec_stats = SpeculationStats()  # since the start
         self._step_spec = SpeculationStats()  # this step
         # every layer windowed (Mixtral / Qwen with sliding windows everywhere): a request's blocks wholly
@@ -190,8 +196,12 @@ class Engine:
                         quantization: str | None = None, **options) -> "Engine":
         """The engine for a transformers checkpoint folder: weights (this rank's experts only) and, when the
         folder has a tokenizer.json, its tokenizer, chat template and end-of-sequence ids.  quantization:
-        "fp8" / "mxfp4" quantizes a float checkpoint's weights once loaded (``load_checkpoint``)."""
-        model = load_checkpoint(path, mesh, layout, dtype=dtype, quantization=quantization)
+        "fp8" / "mxfp4" quantizes a float checkpoint's weights once loaded (``load_checkpoint``).  With
+        ``speculative_config`` method "mtp" the checkpoint's multi-token prediction layer is loaded too."""
+        spec = SpeculativeConfig.parse(options.get("speculative_config"))
+        options["speculative_config"] = spec
+        model = load_checkpoint(path, mesh, layout, dtype=dtype, quantization=quantization,
+                                mtp=spec is not None and spec.method == "mtp")
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer=tokenizer, **options)
 
@@ -287,17 +297,7 @@ class Engine:
         plan = [[self._work_item(g, request, count, batch.copies) for request, count in batch.items]
                 for g, batch in enumerate(batches)]
         outputs: list[RequestOutput] = []
-        reports, rank_stats = {}, []
-        if any(plan):
-            if self.mesh.size > 1:
-                dist.broadcast_object_list([plan], src=0)
-            reports, mine = self._run(plan)
-            rank_stats = [mine]
-            if self.mesh.size > 1:
-                gathered = [None] * self.mesh.size
-                dist.gather_object((reports, mine), gathered, dst=0)
-                reports = {k: v for part, _ in gathered for k, v in part.items()}
-                rank_stats = [s for _, s in gathered]
+        reports, rank_stats = self.run_plan(plan) if any(plan) else ({}, [])
         for g, batch in enumerate(batches):
             for request, count in batch.items:
                 request.num_computed += count - len(request.draft_ids)  # drafts count once accepted
@@ -333,6 +333,8 @@ class Engine:
                     members.remove(out.request_id)
                     if not members:
                         del self._members[out.group_id]
+        if self.mtp is not None:  # the MTP module reads what this step computed and drafts for the next one
+            self.mtp.after_step(plan, reports)
         self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
         self.last_stats.speculation = self._step_spec
         self.num_preemptions += self.last_stats.preempted
@@ -350,9 +352,16 @@ class Engine:
                 if busy or request.remaining != 1 or not request.output_ids or not can_speculate(
                         request.params, len(request.output_ids), request.matcher):
                     continue
-                room = min(k, request.params.max_tokens - len(request.output_ids) - 1,
-                           group.max_model_len - request.num_tokens - 1)
-                request.draft_ids = self.drafter.propose(request.all_ids, room) if room > 0 else []
+                room = min(k, self.draft_room(request, self.groups.index(group)))
+                if room > 0:
+                    request.draft_ids = (self.mtp.propose(request, room) if self.mtp is not None
+                                         else self.drafter.propose(request.all_ids, room))
+
+    def draft_room(self, request: Request, group: int) -> int:
+        """How many drafts ``request`` may carry: its max_tokens and the context limit, after the token the step
+        yields anyway."""
+        return min(request.params.max_tokens - len(request.output_ids) - 1,
+                   self.groups[group].max_model_len - request.num_tokens - 1)
 
     def _verify(self, request: Request, hidden: torch.Tensor) -> list[RequestOutput]:
         """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)): the accepted
@@ -387,14 +396,32 @@ class Engine:
             return WorkItem(request.request_id, tokens, request.num_computed, blocks.block_table(request.request_id),
                             kind, blocks.ring_len[request.request_id], due)
         generated = count == 1 and request.num_computed >= len(request.prompt_ids)
+        report_all = request.needs_prompt_logprobs or bool(request.draft_ids) or (
+            self.mtp is not None and self.mtp.tracks(request))  # the MTP module reads every computed position
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
-                        "paged", 0, due, generated, report_all=request.needs_prompt_logprobs or bool(request.draft_ids),
+                        "paged", 0, due, generated, report_all=report_all,
                         copies=copies.get(request.request_id), drafts=len(request.draft_ids))
 
-    def _run(self, plan: list[list[WorkItem]]) -> tuple[dict, dict]:
-        """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures)."""
+    def run_plan(self, plan: list[list[WorkItem]], mtp: bool = False) -> tuple[dict, list[dict]]:
+        """Driver: every rank runs its ep group's part of ``plan`` (the model's step, or with ``mtp`` its
+        multi-token prediction module: ``ModelRunner.mtp_step``); (every reported hidden state, each rank's
+        figures (none for an MTP plan))."""
+        if self.mesh.size > 1:
+            dist.broadcast_object_list([(plan, mtp)], src=0)
+        reports, mine = self._run(plan, mtp)
+        if self.mesh.size == 1:
+            return reports, [mine] if mine else []
+        gathered = [None] * self.mesh.size
+        dist.gather_object((reports, mine), gathered, dst=0)
+        return {k: v for part, _ in gathered for k, v in part.items()}, [s for _, s in gathered if s]
+
+    def _run(self, plan: list[list[WorkItem]], mtp: bool = False) -> tuple[dict, dict]:
+        """This rank's part of a plan: (reported hidden states, this rank's MoE and ring figures ({} for mtp))."""
         self.runner.ring_stats = RingStats()
         start = time.perf_counter()
+        if mtp:
+            reports = self.runner.mtp_step(plan[self.mesh.ep_rank])
+            return {key: value.cpu() for key, value in reports.items()} if self.mesh.size > 1 else reports, {}
         with self._invariance():
             reports = self.runner.step(plan[self.mesh.ep_rank])
         if self.mesh.size > 1:  # they travel pickled to the driver: host memory, not this rank's GPU
@@ -431,7 +458,7 @@ class Engine:
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 return
-            reports, stats = self._run(box[0])
+            reports, stats = self._run(*box[0])
             dist.gather_object((reports, stats), None, dst=0)
 
     def shutdown(self) -> None:

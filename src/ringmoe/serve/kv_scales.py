@@ -52,16 +52,21 @@ class _RangeProbe:
 
 @torch.no_grad()
 def calibrate_kv_scales(model, latent: bool, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_scale, v_scale), 0-dim float32 tensors on the model's device (MLA: one scale, twice)."""
+    """Per layer (k_scale, v_scale), 0-dim float32 tensors on the model's device (MLA: one scale, twice); the
+    multi-token prediction modules' layers after the main ones."""
     device = model.embed_tokens.weight.device
     length = PROBE_TOKENS
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(model.config.vocab_size, (1, length), generator=generator).to(device)
     probe = _RangeProbe(model, absorbed=latent)
-    model.hidden_states(ids, torch.arange(length, device=device), probe)
+    positions = torch.arange(length, device=device)
+    hidden = model.hidden_states(ids, positions, probe)
+    for depth in range(1, model.config.mtp_layers + 1):  # the MTP modules' caches: they read the tokens ahead
+        hidden = model.mtp_hidden_states(hidden, ids.roll(-depth, 1), positions, probe, depth)
 
     def scale(amax: float) -> torch.Tensor:
         value = HEADROOM * amax / FP8_MAX if amax > 0 and amax == amax else 1.0  # an all-zero (or NaN) layer: 1
         return torch.tensor(value, dtype=torch.float32, device=device)
 
-    return [(scale(probe.amax[i][0]), scale(probe.amax[i][1])) for i in range(model.config.num_layers)]
+    layers = model.config.num_layers + model.config.mtp_layers
+    return [(scale(probe.amax[i][0]), scale(probe.amax[i][1])) for i in range(layers)]

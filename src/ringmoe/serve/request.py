@@ -71,6 +71,7 @@ class Request:
     matcher: object | None = None  # the grammar's state (structured outputs)
     reported_prompt: bool = False  # the prompt logprobs went out with a first output
     draft_ids: list[int] = field(default_factory=list)  # speculative tokens the next step verifies (never output)
+    mtp_drafts: list[int] = field(default_factory=list)  # what the MTP module proposed for the next step
 
     def __post_init__(self):
         self.group_id = self.group_id or self.request_id

@@ -61,6 +61,7 @@ class WorkItem:
     report_all: bool = False
     copies: list[tuple[int, int]] | None = None
     drafts: int = 0  # the last ``drafts`` tokens are speculative drafts the step verifies (report_all is set)
+    previous: torch.Tensor | None = None  # an MTP item: the states (n, hidden) its module reads (``mtp_step``)
 
 
 class ModelRunner:
@@ -85,9 +86,10 @@ class ModelRunner:
         else:
             shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         storage = torch.uint8 if fp8 else param.dtype
-        self.k_cache = [torch.zeros(shape, dtype=storage, device=param.device) for _ in range(config.num_layers)]
+        layers = config.num_layers + config.mtp_layers  # the multi-token prediction modules' caches last
+        self.k_cache = [torch.zeros(shape, dtype=storage, device=param.device) for _ in range(layers)]
         self.v_cache = self.k_cache if self.latent else [torch.zeros(shape, dtype=storage, device=param.device)
-                                                          for _ in range(config.num_layers)]
+                                                          for _ in range(layers)]
         # per layer (k_scale, v_scale) of the FP8 cache, else None; MLA's one latent buffer has one scale
         self.kv_scales = calibrate_kv_scales(model, self.latent) if fp8 else None
         self.ring_stats = RingStats()
@@ -156,6 +158,27 @@ class ModelRunner:
         destination = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         for cache in {id(c): c for c in self.k_cache + self.v_cache}.values():  # MLA: K and V are one buffer
             cache.index_copy_(0, destination, cache.index_select(0, source))
+
+    @torch.no_grad()
+    def mtp_step(self, items: list[WorkItem]) -> dict:
+        """The model's first multi-token prediction module over this rank's items (possibly none; cp = 1, kind
+        "paged"): item positions start .. start + n - 1 read ``previous`` (n, hidden), the states one depth down,
+        and ``token_ids``, the tokens one place ahead; their K/V go to the module's cache (layer num_layers).
+        {request_id: the module's normed state (hidden,) at the item's last position} (its head's logits draft
+        the token two places ahead of that position)."""
+        ids, positions, spans = [], [], []
+        for item in items:
+            spans.append((item, len(ids), len(item.token_ids)))
+            ids += item.token_ids
+            positions += range(item.start, item.start + len(item.token_ids))
+        device, dtype = self.device, self.model.embed_tokens.weight.dtype
+        hidden_size = self.model.config.hidden_size
+        previous = torch.cat([item.previous for item in items]) if items else torch.zeros(0, hidden_size)
+        hidden = self.model.mtp_hidden_states(previous.to(device, dtype)[None],
+                                              torch.tensor([ids], dtype=torch.long, device=device),
+                                              torch.tensor(positions, dtype=torch.long, device=device),
+                                              StepAttention(self, spans, [], []))[0]
+        return {item.request_id: hidden[offset + n - 1] for item, offset, n in spans}
 
     @torch.no_grad()
     def step(self, items: list[WorkItem]) -> dict:

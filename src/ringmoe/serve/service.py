@@ -145,7 +145,11 @@ def validate(options: ServeOptions) -> None:
         raise ValueError(f"--ulysses-degree: {error}") from None
     if options.deterministic and config.capacity_factor is not None:
         raise ValueError("--deterministic needs dropless experts")
-    check_fits(options, config)
+    mtp = speculative is not None and speculative.method == "mtp"
+    if mtp and not config.mtp_layers:  # check_checkpoint counts the MTP layers the files hold
+        raise ValueError(f"--speculative-config method 'mtp' needs a checkpoint with a multi-token prediction layer "
+                         f"(config.json's num_nextn_predict_layers); {options.model} has none")
+    check_fits(options, config.replace(mtp_layers=config.mtp_layers if mtp else 0))
 
 
 def check_fits(options: ServeOptions, config, available: int | None = None) -> float:
@@ -157,8 +161,8 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
 
     width = DTYPES[options.dtype].itemsize
     kv_width = 1 if kv_cache_is_fp8(options.kv_cache_dtype) else width
-    per_token = config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
-                                     else 2 * config.num_kv_heads * config.head_dim)
+    per_token = (config.num_layers + config.mtp_layers) * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
+                                                           else 2 * config.num_kv_heads * config.head_dim)
     ranks = options.cp * options.ep
     parts = {"weights": ranks * config.weight_bytes(config.num_experts // options.ep, width),
              "KV cache": ranks * options.kv_cache_tokens * per_token * kv_width,

@@ -16,7 +16,9 @@ first rejection were computed for nothing: the request's ``num_computed`` counts
 K/V slots are overwritten by the next step, and prefix-cache hashes are taken only over accepted tokens.
 
 Drafters: ``NgramDrafter`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
-context's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``; vLLM's keys).
+context's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``; vLLM's keys) and DeepSeek-V3's
+multi-token prediction module (``mtp_drafter.py``; method "mtp").  Both propose greedily (one token per place), so
+the rule above applies as it is.
 """
 
 from __future__ import annotations
@@ -34,22 +36,30 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 64
 
 
+METHODS = ("ngram", "mtp")
+DEFAULT_TOKENS = {"ngram": 4, "mtp": 1}  # DeepSeek-V3 ships one MTP module: one draft is what it was trained for
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` keys: method ("ngram"), num_speculative_tokens, prompt_lookup_min/max, and
-    disable_by_batch_size: no drafts in a step whose ep group runs at least this many requests (where a step is
-    compute-bound, verifying k + 1 tokens per request costs more than the accepted drafts save; None: always)."""
+    """vLLM's ``--speculative-config`` keys: method ("ngram": prompt lookup; "mtp": the model's multi-token
+    prediction module, drafting one token per pass of it), num_speculative_tokens (default 4 for ngram, 1 for mtp),
+    prompt_lookup_min/max (ngram), and disable_by_batch_size: no drafts in a step whose ep group runs at least this
+    many requests (where a step is compute-bound, verifying k + 1 tokens per request costs more than the accepted
+    drafts save; None: always)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
 
     def __post_init__(self):
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r} (multi-token "
-                             f"prediction and EAGLE drafters are not built yet)")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r} (EAGLE "
+                             f"drafters are not built)")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_TOKENS[self.method])
         for name, high in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_min", MAX_LOOKUP),
                            ("prompt_lookup_max", MAX_LOOKUP)):
             value = getattr(self, name)
@@ -78,6 +88,9 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {sorted(known)}")
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
+        if value.get("method") == "mtp" and lookup:
+            raise ValueError(f"speculative_config: {lookup} are for method 'ngram', not 'mtp'")
         return cls(**value)
 
     def drafter(self) -> "NgramDrafter":

@@ -290,13 +290,13 @@ def export(model: MoETransformer, folder: str | Path, tokenizer_folder: str | Pa
     one is complete)."""
     full = MoETransformer(model.config)
     state = dict(model.state_dict())
-    for index, layer in model.moe_layers():
+    for index, layer in model.moe_layers(with_mtp=True):
         for name, local in layer.mlp.experts.named_parameters():
             stack = local.new_zeros(model.config.num_experts, *local.shape[1:])
             stack[layer.mlp.slot_experts] = local
             if model.mesh.ep_group is not None:
                 dist.all_reduce(stack, group=model.mesh.ep_group)
-            state[f"layers.{index}.mlp.experts.{name}"] = stack
+            state[f"{model.layer_name(index)}.mlp.experts.{name}"] = stack
     if _rank() != 0:
         return None
     full.load_state_dict(state)

@@ -67,12 +67,14 @@ class PackedStream:
         return Batch(torch.stack([s[0] for s in seqs]), [s[1] for s in seqs])
 
 
-def next_token_labels(ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Labels (seqlen,) for one packed row: the next token within the same document, IGNORE at a document's end."""
+def next_token_labels(ids: torch.Tensor, cu_seqlens: torch.Tensor, ahead: int = 1) -> torch.Tensor:
+    """Labels (seqlen,) for one packed row: the token ``ahead`` places further in the same document (1: the next
+    one), IGNORE where the document ends before it."""
     labels = torch.full_like(ids, IGNORE)
-    labels[:-1] = ids[1:]
-    ends = cu_seqlens[1:].long() - 1
-    labels[ends] = IGNORE
+    labels[:-ahead] = ids[ahead:]
+    position = torch.arange(ids.shape[0])
+    end = cu_seqlens[1:].long()[torch.searchsorted(cu_seqlens[1:].long(), position, right=True)]
+    labels[position + ahead >= end] = IGNORE
     return labels
 
 

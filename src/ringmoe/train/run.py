@@ -52,6 +52,8 @@ class TrainOptions:
     balance: str = "aux"
     aux_coef: float = 1e-2              # weight of the Switch balancing loss (balance="aux")
     bias_rate: float = 1e-3             # step of the selection bias per update (balance="bias")
+    mtp: bool = False                   # train a DeepSeek-V3 multi-token prediction module with the model
+    mtp_lambda: float = 0.3             # the MTP loss's weight
     clip: float = 1.0
     seed: int = 0
     eval_every: int = 50
@@ -97,7 +99,11 @@ def model_config(options: TrainOptions):
     """The preset with --vocab-size; without it, the preset's vocabulary raised to what a byte-level BPE needs at
     least (the tiny presets' 128 tokens are fewer than its 256-byte alphabet)."""
     config = preset(options.preset)
-    return config.replace(vocab_size=options.vocab_size or max(config.vocab_size, MIN_VOCAB))
+    if options.mtp and config.arch != "deepseek_v3":
+        raise ValueError(f"--mtp trains DeepSeek-V3's multi-token prediction module: it needs a DeepSeek-V3 preset "
+                         f"(e.g. deepseek-v3-demo), got --preset {options.preset} ({config.arch})")
+    return config.replace(vocab_size=options.vocab_size or max(config.vocab_size, MIN_VOCAB),
+                          mtp_layers=1 if options.mtp else config.mtp_layers)
 
 
 def validate(options: TrainOptions) -> None:
@@ -116,6 +122,8 @@ def validate(options: TrainOptions) -> None:
         check_heads(config.num_heads, config.num_heads if config.mla else config.num_kv_heads, ulysses)
     except ValueError as error:
         raise ValueError(f"--cp-mode {options.cp_mode} (ulysses {ulysses}): {error}") from None
+    if not options.mtp_lambda > 0:
+        raise ValueError(f"--mtp-lambda must be > 0, got {options.mtp_lambda}")
     if options.minutes is not None and not options.minutes > 0:
         raise ValueError(f"--minutes must be > 0, got {options.minutes}")
     if model_config(options).num_experts % options.ep:
@@ -164,7 +172,7 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
     model.init_weights(options.seed)
     settings = TrainConfig(rows=options.rows, lr=options.lr, warmup=options.warmup, steps=options.steps,
                            clip=options.clip, balance=options.balance, aux_coef=options.aux_coef,
-                           bias_rate=options.bias_rate, bf16=options.bf16,
+                           bias_rate=options.bias_rate, bf16=options.bf16, mtp_lambda=options.mtp_lambda,
                            activation_checkpointing=options.activation_checkpointing)
     trainer = Trainer(model, settings, PackedStream(train_docs, options.seqlen, eos))
     validation = PackedStream(val_docs, options.seqlen, eos)
@@ -191,7 +199,9 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
         row["tokens_per_s"] = row["tokens"] / seconds
         row["mfu"] = row["tokens_per_s"] * flops / options.peak_flops  # the whole machine's peak
         if trainer.step_count % options.eval_every == 0 or trainer.step_count == options.steps:
-            row["val_loss"] = last_eval = trainer.evaluate(validation, options.eval_sequences)
+            evaluation = trainer.evaluate_all(validation, options.eval_sequences)
+            row.update(evaluation)
+            last_eval = evaluation["val_loss"]
         if trainer.step_count % options.save_every == 0:
             checkpoint.save(trainer, out)
             saved = trainer.step_count
@@ -201,14 +211,16 @@ def train_rank(rank: int, world: int, options: TrainOptions, train_docs, val_doc
             if progress is not None:
                 progress.put(row)
     if last_eval is None or "val_loss" not in row:
-        last_eval = trainer.evaluate(validation, options.eval_sequences)
+        evaluation = trainer.evaluate_all(validation, options.eval_sequences)
+        last_eval = evaluation["val_loss"]
     if saved != trainer.step_count:  # the last step is saved once
         checkpoint.save(trainer, out)
     hf = checkpoint.export(model, out / "hf", tokenizer_folder, eos_token_id=eos)
     if rank == 0:
         metrics.close()
         _plot(out / "metrics.jsonl", out / "loss.png")
-    return {"steps": trainer.step_count, "val_loss": last_eval, "hf": str(hf) if hf else None}
+    return {"steps": trainer.step_count, "val_loss": last_eval, "hf": str(hf) if hf else None,
+            **{k: v for k, v in evaluation.items() if k != "val_loss"}}
 
 
 def _plot(metrics_file: Path, path: Path) -> None:
@@ -265,8 +277,12 @@ def run_training(options: TrainOptions, console=None, launcher: str = "spawn") -
                                         or row["step"] == 1):
                 line = (f"step {row['step']:5d}/{options.steps}  loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s  "
                         f"MFU {row['mfu']:.1%}  router imbalance {row['router_imbalance']:.2f}")
+                if "mtp_loss" in row:
+                    line += f"  mtp {row['mtp_loss']:.3f}"
                 if "val_loss" in row:
                     line += f"  val {row['val_loss']:.3f}"
+                if "mtp_draft_acceptance" in row:
+                    line += f"  mtp val {row['mtp_val_loss']:.3f}, draft acceptance {row['mtp_draft_acceptance']:.0%}"
                 console.print(line)
 
     threads = max(1, torch.get_num_threads() // world)

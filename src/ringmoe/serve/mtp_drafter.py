@@ -1,0 +1,105 @@
+"""Drafting with DeepSeek-V3's multi-token prediction module (``speculative_config={"method": "mtp"}``).
+
+The module (``model/mtp.py``) at position i reads the main model's final-norm hidden state h_i and the token
+t_{i+1} and predicts t_{i+2}.  It is a transformer block with a paged KV cache of its own (the runner's layer
+num_layers, in the request's block table), so after every engine step it must see each position the step
+computed, in order:
+
+* catch-up: a request whose step computed positions start .. c - 1 (c = its ``num_computed`` after the step:
+  accepted tokens only) runs the module on those positions, reading the step's hidden states of them
+  (``report_all``) and the tokens t_{start+1} .. t_c (t_c: the token the step sampled, or mid-prompt the next
+  prompt token); the module's K/V of those positions are written, overwriting what an earlier draft pass left;
+* draft 1: the module's state at position c - 1 gives, by the shared head, the greedy guess of t_{c+1}: the token
+  after the one the next step feeds (t_c);
+* drafts 2 .. k: the module runs again at positions c, c + 1, ... on its own state and its previous draft
+  (vLLM's chaining of one MTP module); their K/V go to slots that the next step's catch-up overwrites, in blocks
+  grown for them ahead of the scheduler (with no free block the request drafts fewer tokens).
+
+Every pass is one packed batch over the engine's requests (on a mesh, a plan every rank runs: the module's MoE
+exchanges its tokens like any layer).  Drafts are greedy; the target's rule (``verify_drafts``) keeps the output
+distribution exact whatever they are.  A request never drafts when its rows are not plain (``can_speculate``),
+and requests that can never draft (penalties, n > 1, a grammar) skip the module altogether.  A prefix-cache hit
+reuses the module's K/V written by the request that computed those blocks (the last position of a block read the
+token after it in that request): drafts may differ, outputs cannot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import NoFreeBlocks
+from .request import Request, Status
+from .runner import WorkItem
+
+__all__ = ["MTPDrafter"]
+
+
+class MTPDrafter:
+    """The engine's MTP drafting passes; ``k`` drafts per request and step at most."""
+
+    def __init__(self, engine, k: int):
+        self.engine, self.k = engine, k
+
+    @staticmethod
+    def tracks(request: Request) -> bool:
+        """Whether the module follows ``request`` (it may draft for it some day: plain rows, one sample, no grammar;
+        min_tokens only delays drafting)."""
+        return request.params.plain and request.params.n == 1 and request.matcher is None
+
+    def propose(self, request: Request, room: int) -> list[int]:
+        return request.mtp_drafts[:room]
+
+    def after_step(self, plan: list[list[WorkItem]], reports: dict) -> None:
+        """Catch the module up on what the step computed (``plan`` and its ``reports``) and leave each request due
+        to decode its drafts in ``request.mtp_drafts``."""
+        engine = self.engine
+        catch_up, due = [[] for _ in plan], []
+        for group, items in enumerate(plan):
+            for item in items:
+                request = engine.requests.get(item.request_id)
+                if request is None or request.status != Status.RUNNING or not self.tracks(request):
+                    continue
+                request.mtp_drafts = []
+                computed = request.num_computed - item.start  # accepted positions of this step
+                if computed < 1 or ("all", item.request_id) not in reports:
+                    continue
+                catch_up[group].append(WorkItem(
+                    item.request_id, request.all_ids[item.start + 1:request.num_computed + 1], item.start,
+                    item.tables, report=False, previous=reports[("all", item.request_id)][:computed]))
+                room = engine.draft_room(request, group)
+                if room > 0 and request.output_ids and request.remaining == 1:
+                    due.append((group, request, room))
+        if not any(catch_up):
+            return
+        states, _ = engine.run_plan(catch_up, mtp=True)
+        for depth in range(self.k):
+            if not due:
+                return
+            drafts = self._greedy([states[r.request_id] for _, r, _ in due])
+            for (_, request, _), token in zip(due, drafts):
+                request.mtp_drafts.append(token)
+            due = [(g, r, room) for g, r, room in due if len(r.mtp_drafts) < room and self._grow(g, r, room)]
+            if not due or depth == self.k - 1:
+                return
+            chain = [[] for _ in plan]
+            for group, request, _ in due:  # the module on its own state and draft, one position further
+                position = request.num_computed + len(request.mtp_drafts) - 1
+                chain[group].append(WorkItem(request.request_id, [request.mtp_drafts[-1]], position,
+                                             [engine.groups[group].blocks.block_table(request.request_id)],
+                                             report=False, previous=states[request.request_id][None]))
+            states, _ = engine.run_plan(chain, mtp=True)
+
+    def _greedy(self, states: list[torch.Tensor]) -> list[int]:
+        model = self.engine.model
+        with torch.no_grad():
+            logits = model.lm_head(torch.stack(states).to(self.engine.runner.device))
+        return logits.argmax(-1).tolist()
+
+    def _grow(self, group: int, request: Request, room: int) -> bool:
+        """Blocks for the next chained pass's position (num_computed + drafts - 1); False when none is free."""
+        blocks = self.engine.groups[group].blocks
+        try:
+            blocks.grow(request.request_id, request.num_computed + len(request.mtp_drafts))
+        except NoFreeBlocks:
+            return False
+        return True
