@@ -189,21 +189,35 @@ def test_mtp_drafts_are_the_modules_guesses_and_decoding_stays_exact(settings):
             assert engine.num_preemptions > 0
 
 
-def _mtp_mesh_rank(rank, world):
-    engine = Engine(_mtp_model(mesh=make_mesh(1, 2)), block_size=4, speculative_config=MTP)
+def _mtp_mesh_rank(rank, world, cp, ep):
+    engine = Engine(_mtp_model(mesh=make_mesh(cp, ep)), block_size=4, speculative_config=MTP)
     if rank != 0:
         engine.run_worker()
         return None
+    reference, step, checked = _mtp_model(), engine.step, []
+
+    def checked_step():  # the drafts the mesh computed are the module's guesses (one process, dense)
+        outputs = step()
+        for request in engine.requests.values():
+            if request.mtp_drafts:
+                checked.append(request.mtp_drafts == _dense_mtp_drafts(reference, request.all_ids,
+                                                                        len(request.mtp_drafts)))
+        return outputs
+
+    engine.step = checked_step
     got = _decode(engine, check_every_step=False)
     engine.shutdown()
-    return got, engine.spec_stats.num_draft_tokens
+    return got, engine.spec_stats.num_draft_tokens, checked
 
 
-def test_mtp_drafting_on_an_expert_parallel_mesh_gives_the_same_tokens():
+@pytest.mark.parametrize("cp, ep", [(1, 2), (2, 1), (3, 1)])
+def test_mtp_drafting_on_a_mesh_gives_the_same_tokens(cp, ep):
     """ep = 2: the module's MoE exchanges its tokens between the ranks in passes of their own (every rank runs each
-    catch-up and draft pass, with or without requests of its group)."""
+    catch-up and draft pass, with or without requests of its group); cp = 2, 3: the module's prompt pass runs as a
+    ring prefill over the rows each rank kept of the model's, its later positions as sharded decodes."""
     want, want_logprobs = _decode(Engine(_mtp_model(), block_size=4))
-    (got, logprobs), drafted = spawn(_mtp_mesh_rank, 2, timeout=180)[0]
+    (got, logprobs), drafted, checked = spawn(_mtp_mesh_rank, cp * ep, cp, ep, timeout=180)[0]
+    assert len(checked) > 10 and all(checked)
     assert got == want and drafted > 20
     assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
 
@@ -224,22 +238,33 @@ def _contains(sequence, run):
     return any(sequence[i:i + len(run)] == run for i in range(0, len(sequence) - len(run) + 1, len(run)))
 
 
-def _mesh_rank(rank, world, want):
-    mesh = make_mesh(1, 2)
-    engine = Engine(_model("tiny", mesh=mesh), block_size=4, speculative_config=NGRAM)
+def _mesh_rank(rank, world, family, cp, ep, want):
+    engine = Engine(_model(family, mesh=make_mesh(cp, ep)), block_size=4, speculative_config=NGRAM)
     if rank != 0:
         engine.run_worker()
         return None
-    got = _decode(engine, drafter=Oracle(PROMPTS, want), check_every_step=False)
+    runs = []
+    for drafter in (Oracle(PROMPTS, want), Oracle(PROMPTS, want, wrong=True), None):
+        before = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
+        got = _decode(engine, drafter=drafter, check_every_step=False)
+        runs.append((got, engine.spec_stats.num_draft_tokens - before[0],
+                     engine.spec_stats.num_accepted_tokens - before[1]))
     engine.shutdown()
-    return got, engine.spec_stats.num_accepted_tokens
+    return runs
 
 
-def test_speculation_on_an_expert_parallel_mesh_gives_the_same_tokens():
-    want, want_logprobs = _decode(Engine(_model("tiny"), block_size=4))
-    (got, logprobs), accepted = spawn(_mesh_rank, 2, want, timeout=180)[0]
-    assert got == want and accepted > 0
-    assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+@pytest.mark.parametrize("family, cp, ep", [("tiny", 1, 2), ("tiny", 3, 1), ("gpt-oss-tiny", 2, 1), ("tiny", 2, 2)])
+def test_speculation_on_a_mesh_gives_the_same_tokens(family, cp, ep):
+    """Drafts verified through the all-to-all (ep) and through the ring-sharded cache (cp: the drafts' K/V written
+    round-robin over the cp ranks, each row attending to the positions up to its own on every rank, the parts
+    merged; gpt-oss's windows and sinks): every draft accepted, every one rejected, n-gram lookup."""
+    want, want_logprobs = _decode(Engine(_model(family), block_size=4))
+    for index, ((got, logprobs), drafted, accepted) in enumerate(spawn(_mesh_rank, cp * ep, family, cp, ep, want,
+                                                                       timeout=240)[0]):
+        assert got == want, index
+        assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+        assert drafted > 20 or index == 2
+        assert accepted == (drafted if index == 0 else 0 if index == 1 else accepted)
 
 
 def _chi_square(counts, probs, draws):

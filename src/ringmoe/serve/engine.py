@@ -142,8 +142,8 @@ class Engine:
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         self.deterministic, self.return_logits = deterministic, return_logits
         spec = self.speculative_config = SpeculativeConfig.parse(speculative_config)
-        if spec is not None and (model.mesh.cp > 1 or deterministic):
-            raise ValueError("speculative decoding needs cp = 1 and the default (non-deterministic) mode")
+        if spec is not None and deterministic:
+            raise ValueError("speculative decoding needs the default (non-deterministic) mode")
         if spec is not None and spec.method == "mtp" and not model.config.mtp_layers:
             raise ValueError("speculative_config method 'mtp' needs a model with a multi-token prediction module "
                              "(load_checkpoint(..., mtp=True); Engine.from_checkpoint loads it for this method)")
@@ -391,13 +391,14 @@ class Engine:
         blocks = self.groups[group].blocks
         due = request.num_computed + count == request.num_tokens + len(request.draft_ids)
         tokens = (request.all_ids + request.draft_ids)[request.num_computed:request.num_computed + count]
+        mtp = self.mtp is not None and self.mtp.tracks(request)  # the MTP module reads every computed position
         if isinstance(blocks, ShardedBlocks):
             kind = "ring" if request.num_computed == 0 else "decode"
             return WorkItem(request.request_id, tokens, request.num_computed, blocks.block_table(request.request_id),
-                            kind, blocks.ring_len[request.request_id], due)
+                            kind, blocks.ring_len[request.request_id], due, report_all=bool(request.draft_ids) or mtp,
+                            drafts=len(request.draft_ids), keep_hidden=mtp and kind == "ring")
         generated = count == 1 and request.num_computed >= len(request.prompt_ids)
-        report_all = request.needs_prompt_logprobs or bool(request.draft_ids) or (
-            self.mtp is not None and self.mtp.tracks(request))  # the MTP module reads every computed position
+        report_all = request.needs_prompt_logprobs or bool(request.draft_ids) or mtp
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
                         "paged", 0, due, generated, report_all=report_all,
                         copies=copies.get(request.request_id), drafts=len(request.draft_ids))

@@ -61,11 +61,9 @@ class MTPDrafter:
                     continue
                 request.mtp_drafts = []
                 computed = request.num_computed - item.start  # accepted positions of this step
-                if computed < 1 or ("all", item.request_id) not in reports:
+                if computed < 1 or (item.kind != "ring" and ("all", item.request_id) not in reports):
                     continue
-                catch_up[group].append(WorkItem(
-                    item.request_id, request.all_ids[item.start + 1:request.num_computed + 1], item.start,
-                    item.tables, report=False, previous=reports[("all", item.request_id)][:computed]))
+                catch_up[group].append(self._catch_up(item, request, computed, reports))
                 room = engine.draft_room(request, group)
                 if room > 0 and request.output_ids and request.remaining == 1:
                     due.append((group, request, room))
@@ -84,10 +82,24 @@ class MTPDrafter:
             chain = [[] for _ in plan]
             for group, request, _ in due:  # the module on its own state and draft, one position further
                 position = request.num_computed + len(request.mtp_drafts) - 1
+                blocks = engine.groups[group].blocks
+                tables = blocks.block_table(request.request_id)
                 chain[group].append(WorkItem(request.request_id, [request.mtp_drafts[-1]], position,
-                                             [engine.groups[group].blocks.block_table(request.request_id)],
-                                             report=False, previous=states[request.request_id][None]))
+                                             tables if self.engine.mesh.cp > 1 else [tables],
+                                             "decode" if self.engine.mesh.cp > 1 else "paged",
+                                             getattr(blocks, "ring_len", {}).get(request.request_id, 0),
+                                             previous=states[request.request_id][None]))
             states, _ = engine.run_plan(chain, mtp=True)
+
+    @staticmethod
+    def _catch_up(item: WorkItem, request: Request, computed: int, reports: dict) -> WorkItem:
+        """The module's pass over the ``computed`` positions the step's ``item`` added: the tokens one place ahead,
+        placed as the item's own (a ring prefill's rows stay on their ranks: ``keep_hidden``)."""
+        ahead = request.all_ids[item.start + 1:request.num_computed + 1]
+        if item.kind == "ring":
+            return WorkItem(item.request_id, ahead, 0, item.tables, "ring", item.ring_len)
+        return WorkItem(item.request_id, ahead, item.start, item.tables, item.kind, item.ring_len,
+                        previous=reports[("all", item.request_id)][:computed])
 
     def _greedy(self, states: list[torch.Tensor]) -> list[int]:
         model = self.engine.model

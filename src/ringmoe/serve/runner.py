@@ -62,6 +62,7 @@ class WorkItem:
     copies: list[tuple[int, int]] | None = None
     drafts: int = 0  # the last ``drafts`` tokens are speculative drafts the step verifies (report_all is set)
     previous: torch.Tensor | None = None  # an MTP item: the states (n, hidden) its module reads (``mtp_step``)
+    keep_hidden: bool = False  # a ring item whose rows each rank keeps for the MTP pass after the step
 
 
 class ModelRunner:
@@ -94,6 +95,7 @@ class ModelRunner:
         self.kv_scales = calibrate_kv_scales(model, self.latent) if fp8 else None
         self.ring_stats = RingStats()
         self.history: list[dict] = []  # per step, when the engine records them
+        self.kept: dict[str, torch.Tensor] = {}  # the last step's rows of its keep_hidden ring items
         self.decode_graph = None  # a model that cannot run the fixed-shape step (a mesh, MLA...) never has one
         if decode_graph != "off" and model.static_ready:
             self.decode_graph = DecodeGraph(self, decode_graph == "compiled")
@@ -159,36 +161,9 @@ class ModelRunner:
         for cache in {id(c): c for c in self.k_cache + self.v_cache}.values():  # MLA: K and V are one buffer
             cache.index_copy_(0, destination, cache.index_select(0, source))
 
-    @torch.no_grad()
-    def mtp_step(self, items: list[WorkItem]) -> dict:
-        """The model's first multi-token prediction module over this rank's items (possibly none; cp = 1, kind
-        "paged"): item positions start .. start + n - 1 read ``previous`` (n, hidden), the states one depth down,
-        and ``token_ids``, the tokens one place ahead; their K/V go to the module's cache (layer num_layers).
-        {request_id: the module's normed state (hidden,) at the item's last position} (its head's logits draft
-        the token two places ahead of that position)."""
-        ids, positions, spans = [], [], []
-        for item in items:
-            spans.append((item, len(ids), len(item.token_ids)))
-            ids += item.token_ids
-            positions += range(item.start, item.start + len(item.token_ids))
-        device, dtype = self.device, self.model.embed_tokens.weight.dtype
-        hidden_size = self.model.config.hidden_size
-        previous = torch.cat([item.previous for item in items]) if items else torch.zeros(0, hidden_size)
-        hidden = self.model.mtp_hidden_states(previous.to(device, dtype)[None],
-                                              torch.tensor([ids], dtype=torch.long, device=device),
-                                              torch.tensor(positions, dtype=torch.long, device=device),
-                                              StepAttention(self, spans, [], []))[0]
-        return {item.request_id: hidden[offset + n - 1] for item, offset, n in spans}
-
-    @torch.no_grad()
-    def step(self, items: list[WorkItem]) -> dict:
-        """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here
-        (and {("all", request_id): hidden (n, hidden_size)} for items marked report_all)."""
-        if self.decode_graph is not None and DecodeGraph.accepts(self, items):
-            return self.decode_graph.run(items)
-        copies = [c for item in items for c in item.copies or ()]
-        if copies:
-            self.copy_blocks(copies)
+    def _pack(self, items: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor, list, StepAttention]:
+        """This rank's tokens of ``items`` as one packed row: ids (1, T) and positions (T,) on the runner's device,
+        spans (item, offset, local length), and the step's attention (each item by its kind)."""
         cp, cp_rank = self.mesh.cp, self.mesh.cp_rank
         ids, positions, spans = [], [], []  # spans: (item, offset, local length)
         for item in items:
@@ -202,17 +177,20 @@ class ModelRunner:
             spans.append((item, len(ids), len(local)))
             ids += local
             positions += where
-        paged = [(i, o, n) for i, o, n in spans if i.kind == "paged"]
-        decodes = [(i, o, n) for i, o, n in spans if i.kind == "decode"]
-        rings = [(i, o, n) for i, o, n in spans if i.kind == "ring"]
-        attention = StepAttention(self, paged, decodes, rings)
+        attention = StepAttention(self, *([s for s in spans if s[0].kind == kind] for kind in ("paged", "decode",
+                                                                                                "ring")))
         device = self.device
-        hidden = self.model.hidden_states(torch.tensor([ids], dtype=torch.long, device=device),
-                                          torch.tensor(positions, dtype=torch.long, device=device), attention)[0]
+        return (torch.tensor([ids], dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device), spans, attention)
+
+    def _reports(self, spans: list, hidden: torch.Tensor) -> dict:
+        """{request_id: the state of the item's last position} for reported items this rank holds (a ring item: the
+        rank holding its last real position), {("all", request_id): every row} for items marked report_all."""
+        cp, cp_rank = self.mesh.cp, self.mesh.cp_rank
         reports = {}
         for item, offset, n in spans:
-            if item.report_all and item.kind == "paged":
-                reports[("all", item.request_id)] = hidden[offset:offset + n]
+            if item.report_all and (item.kind == "paged" or item.kind == "decode" and cp_rank == 0):
+                reports[("all", item.request_id)] = hidden[offset:offset + n]  # decode rows: the same on every rank
             if not item.report:
                 continue
             if item.kind == "ring":
@@ -223,4 +201,38 @@ class ModelRunner:
             elif item.kind == "paged" or cp_rank == 0:  # decode rows are the same on every cp rank
                 reports[item.request_id] = hidden[offset + n - 1]
         return reports
+
+    @torch.no_grad()
+    def mtp_step(self, items: list[WorkItem]) -> dict:
+        """The model's first multi-token prediction module over this rank's items (possibly none): item positions
+        start .. start + n - 1 read the states one depth down (``previous`` (n, hidden); a ring item: this rank's
+        rows of the ring prefill the last ``step`` kept, ``keep_hidden``) and ``token_ids``, the tokens one place
+        ahead; their K/V go to the module's cache (layer num_layers) as the item's kind places them.
+        {request_id: the module's normed state (hidden,) at the item's last position} (its head's logits draft
+        the token two places ahead of that position)."""
+        ids, positions, spans, attention = self._pack(items)
+        dtype, width = self.model.embed_tokens.weight.dtype, self.model.config.hidden_size
+        previous = [self.kept.pop(item.request_id) if item.kind == "ring" else item.previous.to(self.device, dtype)
+                    for item in items]
+        previous = torch.cat(previous) if previous else torch.zeros(0, width, dtype=dtype, device=self.device)
+        hidden = self.model.mtp_hidden_states(previous[None], ids, positions, attention)[0]
+        return self._reports(spans, hidden)
+
+    @torch.no_grad()
+    def step(self, items: list[WorkItem]) -> dict:
+        """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here
+        (and {("all", request_id): hidden (n, hidden_size)} for items marked report_all).  The rows of ring items
+        marked ``keep_hidden`` stay on this rank (``kept``) for the MTP pass that follows the step."""
+        self.kept = {}
+        if self.decode_graph is not None and DecodeGraph.accepts(self, items):
+            return self.decode_graph.run(items)
+        copies = [c for item in items for c in item.copies or ()]
+        if copies:
+            self.copy_blocks(copies)
+        ids, positions, spans, attention = self._pack(items)
+        hidden = self.model.hidden_states(ids, positions, attention)[0]
+        for item, offset, n in spans:
+            if item.keep_hidden:
+                self.kept[item.request_id] = hidden[offset:offset + n]
+        return self._reports(spans, hidden)
 

@@ -6,9 +6,10 @@ and gets back the output of every item, each computed the way its kind needs:
 - ``paged`` (cp = 1): prompt chunks and decodes; their new K/V are written into their cache slots, then
   each item's queries attend to its cached context (``attention.paged``: chunks one by one, decodes of
   similar context lengths batched into one call);
-- ``decode`` (cp > 1): one token on every rank of the cp group; the rank that keeps its position writes its
-  K/V, every rank attends to the part of the cache it holds, and the partial (out, lse) merge over the group
-  (the cp-decode merge): exact attention over all cached keys;
+- ``decode`` (cp > 1): a token (with speculative drafts: a token and its drafts) on every rank of the cp group;
+  the rank that keeps each position writes its K/V, then every rank attends to the part of the cache it holds
+  (each row to the positions up to its own: drafts see the rows before them) and the partial (out, lse) merge over
+  the group (the cp-decode merge): exact attention over all cached keys;
 - ``ring`` (cp > 1): a whole prompt prefilled by ring attention over the cp group (or Ulysses, and the ring
   across, when the mesh factors cp as ulysses x ring); each rank keeps the K/V of the real positions it holds.
   With an FP8 cache the ring attends to the K/V as the cache will hold them (their e4m3 round trip), so a
@@ -73,25 +74,32 @@ class StepAttention:
         runner = self.runner
         cp, cp_rank, layout = runner.mesh.cp, runner.mesh.cp_rank, runner.layout
         window_left = options["window_size"][0]
-        out_parts, lse_parts = [], []
-        for item, offset, _ in self.decodes:
-            position, table = item.start, item.tables[cp_rank]
-            if position % cp == cp_rank:  # this rank keeps the new token's K/V
-                mine = local_count(item.ring_len, position, cp, cp_rank, layout)
-                runner.write(layer, runner.slots(table, range(mine, mine + 1)), k[offset:offset + 1],
-                             v[offset:offset + 1])
-            held = local_count(item.ring_len, position + 1, cp, cp_rank, layout)
-            keys, values = runner.gather(layer, table, held)
-            if window_left >= 0:  # this rank's keys are in position order: the window is a suffix
-                skip = local_count(item.ring_len, max(0, position - window_left), cp, cp_rank, layout)
-                keys, values = keys[skip:], values[skip:]
-            o, lse = decode_attention(q[None, offset:offset + 1], keys[None], values[None])
-            out_parts.append(o[0, 0])
-            lse_parts.append(lse[0, :, 0])
+        out_parts, lse_parts, rows = [], [], []
+        for item, offset, n in self.decodes:
+            table = item.tables[cp_rank]
+            for row in range(n):  # every row's K/V first: a draft attends to the rows before it
+                position = item.start + row
+                if position % cp == cp_rank:  # this rank keeps this position's K/V
+                    mine = local_count(item.ring_len, position, cp, cp_rank, layout)
+                    runner.write(layer, runner.slots(table, range(mine, mine + 1)), k[offset + row:offset + row + 1],
+                                 v[offset + row:offset + row + 1])
+            last = item.start + n - 1
+            keys, values = runner.gather(layer, table, local_count(item.ring_len, last + 1, cp, cp_rank, layout))
+            for row in range(n):
+                position = item.start + row
+                held = local_count(item.ring_len, position + 1, cp, cp_rank, layout)
+                # this rank's keys are in position order: a window is a suffix of them
+                skip = 0 if window_left < 0 else local_count(item.ring_len, max(0, position - window_left), cp,
+                                                             cp_rank, layout)
+                o, lse = decode_attention(q[None, offset + row:offset + row + 1], keys[None, skip:held],
+                                          values[None, skip:held])
+                out_parts.append(o[0, 0])
+                lse_parts.append(lse[0, :, 0])
+                rows.append(offset + row)
         merged, merged_lse = _merge_over_group(runner.mesh.cp_group, torch.stack(out_parts), torch.stack(lse_parts))
         if options["sinks"] is not None:  # once, after the ranks' parts are merged
             merged = add_sinks(merged[None], merged_lse.T[None], options["sinks"])[0][0]
-        out[[o for _, o, _ in self.decodes]] = merged.to(q.dtype)
+        out[rows] = merged.to(q.dtype)
 
     def _ring_prefill(self, layer, item, offset, n, q, k, v, out, options) -> None:
         runner = self.runner
