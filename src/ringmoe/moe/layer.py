@@ -84,16 +84,7 @@ class MoELayer(nn.Module):
         self.replica_plan = replicas
         self.slot_experts = list(range(self.expert_offset, self.expert_offset + self.local_experts))
         if replicas is not None:
-            if group is None or replicas.num_ranks != self.ep_size or replicas.num_experts != num_experts:
-                raise ValueError(
-                    f"replicas must plan {num_experts} experts over the group's {self.ep_size} ranks, got "
-                    f"{replicas.num_experts} experts over {replicas.num_ranks} ranks"
-                )
-            if capacity_factor is not None:
-                raise ValueError("replicas need the dropless mode (capacity_factor=None)")
-            self.local_experts = replicas.slots_per_rank
-            self.slot_experts = list(replicas.slots[self.ep_rank])
-            self.replica_table = replicas.table()
+            self._place_replicas(replicas, capacity_factor)
         self.physical_experts = self.ep_size * self.local_experts
         self.capacity_factor = capacity_factor
         if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
@@ -107,6 +98,17 @@ class MoELayer(nn.Module):
         self.last_stats: MoEStats | None = None
         self.dense_below = 32  # forward_static: from this many tokens, the sorted GEMMs (bench_decode.py)
         self.op_key = register_layer(self)  # how a compiled graph's ``grouped_experts`` finds this layer
+
+    def _place_replicas(self, replicas: ReplicaPlan, capacity_factor: float | None) -> None:
+        """This rank's slots under a replica plan (hot experts copied to several ranks)."""
+        if self.group is None or replicas.num_ranks != self.ep_size or replicas.num_experts != self.num_experts:
+            raise ValueError(f"replicas must plan {self.num_experts} experts over the group's {self.ep_size} ranks, "
+                             f"got {replicas.num_experts} experts over {replicas.num_ranks} ranks")
+        if capacity_factor is not None:
+            raise ValueError("replicas need the dropless mode (capacity_factor=None)")
+        self.local_experts = replicas.slots_per_rank
+        self.slot_experts = list(replicas.slots[self.ep_rank])
+        self.replica_table = replicas.table()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:

@@ -121,37 +121,18 @@ class Engine:
                  decode_graph: str = "off", speculative_config=None, kv_cache_dtype: str = "auto"):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
-        fp8_cache = kv_cache_is_fp8(kv_cache_dtype)
-        if kv_cache_bytes is not None:
-            if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) or kv_cache_bytes < 1:
-                raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
-            c = model.config
-            width = c.kv_lora_rank + c.qk_rope_head_dim if c.mla else 2 * c.num_kv_heads * c.head_dim
-            per_token = (c.num_layers + c.mtp_layers) * width * (1 if fp8_cache else model.embed_tokens.weight.element_size())
-            kv_cache_tokens = kv_cache_bytes // per_token
-            if kv_cache_tokens < block_size:
-                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {kv_cache_tokens} tokens "
-                                 f"({per_token} bytes each): less than one block of {block_size}")
-        if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if kv_cache_bytes is not None:
+            kv_cache_tokens = _tokens_in(kv_cache_bytes, model, kv_cache_is_fp8(kv_cache_dtype), block_size)
+        if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
         if deterministic and model.config.capacity_factor is not None:
             raise ValueError("deterministic=True needs dropless experts (capacity_factor=None): under a capacity a "
                              "token's experts depend on the other tokens of the step")
         self.model, self.tokenizer, self.mesh = model, tokenizer, model.mesh
         self.deterministic, self.return_logits = deterministic, return_logits
-        spec = self.speculative_config = SpeculativeConfig.parse(speculative_config)
-        if spec is not None and deterministic:
-            raise ValueError("speculative decoding needs the default (non-deterministic) mode")
-        if spec is not None and spec.method == "mtp" and not model.config.mtp_layers:
-            raise ValueError("speculative_config method 'mtp' needs a model with a multi-token prediction module "
-                             "(load_checkpoint(..., mtp=True); Engine.from_checkpoint loads it for this method)")
-        # drafts for the next step: prompt lookup, or the model's MTP module (run after each step: mtp_drafter.py)
-        self.mtp = MTPDrafter(self, spec.num_speculative_tokens) if spec is not None and spec.method == "mtp" else None
-        self.drafter = self.mtp if self.mtp is not None else spec.drafter() if spec is not None else None
-        self.spec_stats = SpeculationStats()  # since the start
-        self._step_spec = SpeculationStats()  # this step
+        self._speculation(speculative_config)
         # every layer windowed (Mixtral / Qwen with sliding windows everywhere): a request's blocks wholly
         # before its window are given back as it advances (on every cp rank); one full layer keeps them all
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
@@ -190,6 +171,20 @@ class Engine:
         # per rank, since the start: requests of its ep group, peak KV blocks, expert rows, ring seconds
         self.rank_report = [{"rank": r, "cp_rank": r // ep, "ep_rank": r % ep, "requests": 0, "kv_blocks_peak": 0,
                              "expert_rows": 0, "ring_compute_s": 0.0, "ring_wait_s": 0.0} for r in range(cp * ep)]
+
+    def _speculation(self, speculative_config) -> None:
+        """The drafter of the next steps' drafts: prompt lookup, or the model's MTP module (``mtp_drafter.py``, run
+        after each step), and the counters of drafts and acceptances."""
+        spec = self.speculative_config = SpeculativeConfig.parse(speculative_config)
+        if spec is not None and self.deterministic:
+            raise ValueError("speculative decoding needs the default (non-deterministic) mode")
+        if spec is not None and spec.method == "mtp" and not self.model.config.mtp_layers:
+            raise ValueError("speculative_config method 'mtp' needs a model with a multi-token prediction module "
+                             "(load_checkpoint(..., mtp=True); Engine.from_checkpoint loads it for this method)")
+        self.mtp = MTPDrafter(self, spec.num_speculative_tokens) if spec is not None and spec.method == "mtp" else None
+        self.drafter = self.mtp if self.mtp is not None else spec.drafter() if spec is not None else None
+        self.spec_stats = SpeculationStats()  # since the start
+        self._step_spec = SpeculationStats()  # this step
 
     @classmethod
     def from_checkpoint(cls, path, mesh=None, dtype: torch.dtype | None = None, layout: str = "zigzag",
@@ -656,6 +651,21 @@ class Engine:
         for (rid, _), out in final.items():
             out.prompt_logprobs = prompt_logprobs.get(rid, out.prompt_logprobs)
         return [final[key] for key in want]
+
+
+def _tokens_in(kv_cache_bytes: int, model: MoETransformer, fp8: bool, block_size: int) -> int:
+    """The tokens a KV cache of ``kv_cache_bytes`` holds (every layer's K and V, or MLA's latent and RoPE key, the
+    MTP modules' layers included; one byte per value for an FP8 cache); ValueError below one block."""
+    if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) or kv_cache_bytes < 1:
+        raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+    c = model.config
+    width = c.kv_lora_rank + c.qk_rope_head_dim if c.mla else 2 * c.num_kv_heads * c.head_dim
+    per_token = (c.num_layers + c.mtp_layers) * width * (1 if fp8 else model.embed_tokens.weight.element_size())
+    tokens = kv_cache_bytes // per_token
+    if tokens < block_size:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {tokens} tokens ({per_token} bytes each): less "
+                         f"than one block of {block_size}")
+    return tokens
 
 
 def _merged(outputs: list[RequestOutput]) -> list[RequestOutput]:

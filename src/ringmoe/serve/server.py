@@ -429,6 +429,13 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def _routes(app: FastAPI, front: _Frontend) -> None:
+    _status_routes(app, front)
+    _model_routes(app, front)
+    _generation_routes(app, front)
+
+
+def _status_routes(app: FastAPI, front: _Frontend) -> None:
+    """Health, Prometheus metrics, per-rank figures and the version."""
     engine, metrics = front.engine, front.metrics
 
     @app.get("/health")
@@ -455,6 +462,10 @@ def _routes(app: FastAPI, front: _Frontend) -> None:
         except importlib.metadata.PackageNotFoundError:  # run from a source tree
             return {"version": "unknown"}
 
+
+def _model_routes(app: FastAPI, front: _Frontend) -> None:
+    """The served model's card, as OpenAI's /v1/models lists it."""
+
     def card() -> dict:
         return {"id": front.model_name, "object": "model", "created": 0, "owned_by": "ringmoe",
                 "root": front.model_name, "max_model_len": front.scheduler.max_model_len}
@@ -469,6 +480,10 @@ def _routes(app: FastAPI, front: _Frontend) -> None:
             raise RequestError(f"the model {model_id!r} does not exist; this server serves {front.model_name!r}",
                                "model", 404, code="model_not_found")
         return card()
+
+
+def _generation_routes(app: FastAPI, front: _Frontend) -> None:
+    """Completions, chat completions, and vLLM's /tokenize and /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):

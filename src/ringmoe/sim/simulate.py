@@ -220,8 +220,9 @@ class _Layer:
         return done, expert_tasks, dispatch_tasks, sent_dispatch, sent_combine
 
 
-def simulate(s: Scenario) -> Prediction:
-    c, hw = s.config, s.hw
+def _check_scenario(s: Scenario) -> None:
+    """ValueError naming what a scenario gets wrong, or that the cost model would take too long to schedule."""
+    c = s.config
     if s.rows % s.ep:
         raise ValueError(f"batch ({s.rows}) must be divisible by ep ({s.ep})")
     if c.num_experts % s.ep:
@@ -235,6 +236,11 @@ def simulate(s: Scenario) -> Prediction:
         raise ValueError(f"cp={s.cp}, ep={s.ep}, chunks={s.chunks} means {events:,} events per layer "
                          f"(cp^2 ep + cp ep^2 chunks); the cost model schedules at most {MAX_EVENTS:,} "
                          f"(about 15 s): lower cp, ep or chunks")
+
+
+def simulate(s: Scenario) -> Prediction:
+    _check_scenario(s)
+    c, hw = s.config, s.hw
     layer = _Layer(s)
     world, tokens, t = layer.world, layer.tokens, layer.t
     shares = rank_shares(s.ep, s.skew)
