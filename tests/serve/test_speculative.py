@@ -20,6 +20,7 @@ PATTERN = [5, 9, 17, 33, 2, 7]
 PROMPTS = [PATTERN * 5, list(range(40, 60)) * 2, [3, 4] * 10 + [8], [11]]
 NEW = [24, 17, 20, 9]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def _model(family, seed=1, mesh=None):
@@ -123,9 +124,6 @@ def test_prefix_cache_entries_hold_only_accepted_tokens():
     again, _ = _decode(engine, extended, [1] * len(PROMPTS))
     assert engine.blocks.hit_tokens - hits >= sum((len(p) - 1) // 4 * 4 for p in extended)
     assert [a[0] for a in again] == [w[-1] for w in want]
-
-
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def _mtp_model(seed=1, mesh=None):
@@ -294,6 +292,41 @@ def test_the_acceptance_rule_keeps_the_target_distribution(drafts):
         assert _chi_square(second_counts, second, second_draws) < 18.47
 
 
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts():
+    """Verification draws each emitted token as decoding does (one draw from the request's generator per token,
+    going on while the draw is the draft), so a seeded request samples the same tokens with any drafter: every
+    draft accepted, every one rejected, n-gram (float64, where the rows' logits agree to rounding)."""
+    model = _model("tiny")
+    want, want_logprobs = _decode(Engine(model, block_size=4), temperature=0.8, seed=11)
+    for drafter in (Oracle(PROMPTS, want), Oracle(PROMPTS, want, wrong=True), None):
+        engine = Engine(model, block_size=4, speculative_config=NGRAM)
+        got, logprobs = _decode(engine, drafter=drafter, temperature=0.8, seed=11)
+        assert got == want
+        assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
+        assert engine.spec_stats.num_draft_tokens > 10
+
+
+@pytest.mark.parametrize("family, spec", [("tiny", NGRAM), ("deepseek-v3-tiny", MTP)])
+def test_the_deterministic_mode_keeps_its_bits_with_drafts(family, spec):
+    """float32, deterministic mode with drafts (n-gram; DeepSeek-V3's MTP module): a request samples the same
+    tokens and logprobs, bit for bit, alone or among the others under a token budget that cuts drafts (every row on
+    the fixed tiles, one draw per token), and the tokens of the deterministic engine without speculation (whose
+    lone decodes take the fast kernel: logprobs equal to float32 rounding)."""
+    model = MoETransformer(preset(family).replace(mtp_layers=1 if spec is MTP else 0))
+    model.init_weights(1, std=0.3)
+    params = dict(temperature=0.8, seed=5)
+    plain, plain_logprobs = _decode(Engine(model, block_size=4, deterministic=True), **params)
+    busy = Engine(model, block_size=4, deterministic=True, speculative_config=spec, max_num_batched_tokens=7)
+    tokens, logprobs = _decode(busy, **params)
+    assert busy.spec_stats.num_draft_tokens > 0
+    assert tokens == plain
+    assert max(abs(a - b) for x, y in zip(logprobs, plain_logprobs) for a, b in zip(x, y)) < 1e-5
+    for i, prompt in enumerate(PROMPTS):
+        alone = _decode(Engine(model, block_size=4, deterministic=True, speculative_config=spec), [prompt], [NEW[i]],
+                        **params)
+        assert alone == ([tokens[i]], [logprobs[i]])
+
+
 def test_greedy_verification_accepts_exactly_the_argmax_prefix():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
     greedy = SamplingParams(temperature=0)
@@ -340,8 +373,6 @@ def test_bad_speculative_configs_are_refused_naming_the_key():
                           ({"disable_by_batch_size": 0}, "disable_by_batch_size")]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(config)
-    with pytest.raises(ValueError, match="deterministic"):
-        Engine(_model("tiny"), speculative_config=NGRAM, deterministic=True)
     with pytest.raises(ValueError, match="multi-token prediction"):
         Engine(_model("deepseek-v3-tiny"), speculative_config={"method": "mtp"})
     assert SpeculativeConfig.parse({"method": "mtp"}).num_speculative_tokens == 1

@@ -23,5 +23,8 @@ def test_trains_once_then_reuses_and_serves(tmp_path):
     assert (hf / "model.safetensors").stat().st_mtime_ns == weights  # cached: not trained again
     trained_demo_checkpoint(folder, retrain=True, training=TINY)
     assert (hf / "model.safetensors").stat().st_mtime_ns != weights
+    weights = (hf / "model.safetensors").stat().st_mtime_ns
+    trained_demo_checkpoint(folder, training={**TINY, "lr": 1e-3})  # another recipe: the cached model is stale
+    assert (hf / "model.safetensors").stat().st_mtime_ns != weights
     out = Engine.from_checkpoint(hf).generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].output_ids) == 4

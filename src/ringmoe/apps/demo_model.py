@@ -64,13 +64,15 @@ def trained_demo_checkpoint(folder: str | Path | None = None, retrain: bool = Fa
                             training: dict | None = None) -> Path:
     """The trained demo model's transformers folder (trained once, then reused; ``retrain`` trains anew).
 
-    ``training``: TrainOptions fields (default ``DEMO_TRAINING``).
+    ``training``: TrainOptions fields (default ``DEMO_TRAINING``); a cached model trained with other fields is
+    trained anew.
     Trains in ``folder.building`` and renames it when done, so an interrupted run never leaves a
     half-trained model in the cache.  Returns ``folder / "hf"``.
     """
     folder = Path(folder) if folder is not None else default_cache() / "demo-trained"
     done = folder / ".complete"
-    if done.is_file() and not retrain:
+    recipe = json.dumps(training or DEMO_TRAINING, sort_keys=True) + "\n"
+    if done.is_file() and done.read_text() == recipe and not retrain:  # a model of an older recipe is trained anew
         return folder / "hf"
     building = folder.with_name(folder.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
@@ -78,7 +80,7 @@ def trained_demo_checkpoint(folder: str | Path | None = None, retrain: bool = Fa
     result = run_training(TrainOptions(out=str(building), **(training or DEMO_TRAINING)), console)
     result["hf"] = str(folder / "hf")  # where it lives once renamed
     (building / "summary.json").write_text(json.dumps(result, indent=2))
-    (building / ".complete").write_text("ok\n")
+    (building / ".complete").write_text(recipe)
     shutil.rmtree(folder, ignore_errors=True)
     building.replace(folder)
     return folder / "hf"

@@ -176,8 +176,6 @@ class Engine:
         """The drafter of the next steps' drafts: prompt lookup, or the model's MTP module (``mtp_drafter.py``, run
         after each step), and the counters of drafts and acceptances."""
         spec = self.speculative_config = SpeculativeConfig.parse(speculative_config)
-        if spec is not None and self.deterministic:
-            raise ValueError("speculative decoding needs the default (non-deterministic) mode")
         if spec is not None and spec.method == "mtp" and not self.model.config.mtp_layers:
             raise ValueError("speculative_config method 'mtp' needs a model with a multi-token prediction module "
                              "(load_checkpoint(..., mtp=True); Engine.from_checkpoint loads it for this method)")
@@ -392,7 +390,10 @@ class Engine:
             return WorkItem(request.request_id, tokens, request.num_computed, blocks.block_table(request.request_id),
                             kind, blocks.ring_len[request.request_id], due, report_all=bool(request.draft_ids) or mtp,
                             drafts=len(request.draft_ids), keep_hidden=mtp and kind == "ring")
-        generated = count == 1 and request.num_computed >= len(request.prompt_ids)
+        # deterministic mode: a lone generated token may take the fast decode kernel (its shapes never change);
+        # with speculation a position is sometimes a draft row, so every row runs on the fixed tiles
+        generated = count == 1 and request.num_computed >= len(request.prompt_ids) and not (
+            self.deterministic and self.drafter is not None)
         report_all = request.needs_prompt_logprobs or bool(request.draft_ids) or mtp
         return WorkItem(request.request_id, tokens, request.num_computed, [blocks.block_table(request.request_id)],
                         "paged", 0, due, generated, report_all=report_all,

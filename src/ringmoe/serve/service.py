@@ -113,8 +113,6 @@ def validate(options: ServeOptions) -> None:
         speculative = SpeculativeConfig.parse(options.speculative_config)
     except (ValueError, TypeError) as error:
         raise ValueError(f"--{str(error).replace('_', '-', 1)}") from None
-    if speculative is not None and options.deterministic:
-        raise ValueError("--speculative-config needs no --deterministic")
     if options.cp % options.ulysses:
         raise ValueError(f"--ulysses-degree ({options.ulysses}) must divide --cp ({options.cp})")
     if not 0 <= options.port <= 65535:

@@ -2,16 +2,16 @@
 
 A running request whose next step would compute one token (its last sampled one) instead computes that token
 and k drafted ones as one multi-token item of the paged step (their K/V are written like a prompt chunk's).
-Row i of the item's logits is the target's distribution after draft i - 1; the drafts are checked in order by
-the rejection rule of speculative sampling, so the output follows the target distribution exactly:
-
-* draft d_i is accepted with probability min(1, p(d_i) / q(d_i)); a drafter that proposes one token
-  deterministically has q(d_i) = 1, so the test is u < p(d_i) with u ~ U(0, 1) (greedy: p is one-hot, so d_i is
-  accepted exactly when it is the argmax);
-* at the first rejection the token is drawn from the residual max(p - q, 0), renormalised: p without d_i;
-* when every draft is accepted, the last row gives one more token (the "bonus") as an ordinary draw.
-
-P(token = x) = p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d] = p(x): lossless.  The positions after the
+Row i of the item's logits is the target's distribution p_i after draft i - 1.  The drafters here propose one
+token per place deterministically (q_i one-hot on d_i), for which the rejection rule of speculative sampling
+(accept d_i with probability min(1, p_i(d_i) / q_i(d_i)) = p_i(d_i), else draw from the residual max(p_i - q_i, 0),
+renormalised: p_i without d_i) has an equivalent that needs no extra randomness: draw x_i ~ p_i as decoding would
+(argmax when greedy), emit it, and go on to row i + 1 only while x_i = d_i.  d_i is accepted with probability
+p_i(d_i), the emitted token is distributed as p_i whatever the draft, and when every draft was accepted the last
+row gives one more token (the "bonus").  Each emitted token costs one draw from the request's generator, exactly as
+without speculation: a seeded request samples the same tokens with or without drafts wherever its logits are the
+same bits (always in the deterministic mode, where every row runs on fixed tiles).  The positions after the
+first rejectionThe positions after the
 first rejection were computed for nothing: the request's ``num_computed`` counts only accepted tokens, so their
 K/V slots are overwritten by the next step, and prefix-cache hashes are taken only over accepted tokens.
 
@@ -142,29 +142,14 @@ def verify_drafts(drafts: list[int], logits: torch.Tensor, params: SamplingParam
         raise NonFiniteLogits("the model produced NaN or inf logits for this request")
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = []
-    for i, draft in enumerate(drafts):
+    for i in range(len(drafts) + 1):  # draw as decoding would; go on while the draw is the draft
         if params.greedy:
-            target = int(torch.argmax(logits[i]))
-            if target != draft:
-                chosen.append(TokenChoice(target, float(logprobs[i, target])))
-                return chosen
+            token = int(torch.argmax(logits[i]))
         else:
-            probs = truncated_probs(logits[i], params)
-            accept = float(probs[draft])
-            if float(torch.rand((), generator=generator)) >= accept:  # rejected: draw from p without the draft
-                residual = probs.clone()
-                residual[draft] = 0.0
-                token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-                chosen.append(TokenChoice(token, float(logprobs[i, token])))
-                return chosen
-        chosen.append(TokenChoice(draft, float(logprobs[i, draft])))
-    last = logits[len(drafts)]
-    if params.greedy:
-        token = int(torch.argmax(last))
-    else:
-        token = int(torch.multinomial(truncated_probs(last, params), 1, generator=generator))
-    chosen.append(TokenChoice(token, float(logprobs[len(drafts), token])))
-    return chosen
+            token = int(torch.multinomial(truncated_probs(logits[i], params), 1, generator=generator))
+        chosen.append(TokenChoice(token, float(logprobs[i, token])))
+        if i == len(drafts) or token != drafts[i]:
+            return chosen
 
 
 @dataclass
