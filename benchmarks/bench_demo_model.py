@@ -6,8 +6,9 @@ completions at temperature 0 and 0.7) and demo_model.png (train and validation l
 
     python benchmarks/bench_demo_model.py [--retrain] [--sweep]
 
---sweep first trains each recipe of SWEEP for 150 steps (fresh folders, same data) and records the validation
-loss and router imbalance each reaches: the evidence behind DEMO_TRAINING's settings.
+--sweep first trains each recipe of SWEEP (fresh folders, same data) and records the validation loss (and its
+ratio to the unigram entropy of its own tokenizer's tokens) and router imbalance each reaches: the evidence behind
+DEMO_TRAINING's settings.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from ringmoe.apps.demo_model import DEMO_TRAINING, trained_demo_checkpoint  # no
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 from ringmoe.train.run import TrainOptions, run_training  # noqa: E402
 
-# recipes compared at 150 steps; each changes DEMO_TRAINING's settings
-SWEEP = {"lr 5e-3 (the previous recipe)": dict(lr=5e-3, aux_coef=1e-2),
-         "lr 2e-3": dict(lr=2e-3, aux_coef=1e-2),
-         "lr 1e-3": dict(lr=1e-3, aux_coef=1e-2),
-         "lr 2e-3, aux 0.1": dict(lr=2e-3, aux_coef=0.1),
-         "lr 2e-3, DeepSeek bias 0.01": dict(lr=2e-3, balance="bias", bias_rate=0.01),
-         "lr 2e-3, seqlen 256": dict(lr=2e-3, seqlen=256),
-         "lr 3e-3, 4096 tokens/step, seqlen 256": dict(lr=3e-3, tokens_per_step=4096, seqlen=256)}
+# recipes compared (500 steps of 2048 tokens unless they say otherwise); each changes DEMO_TRAINING's settings
+SWEEP = {"vocab 1024, lr 2e-3 (the previous recipe)": dict(vocab_size=1024, steps=500),
+         "vocab 512": dict(vocab_size=512, steps=500),
+         "vocab 384": dict(vocab_size=384, steps=500),
+         "vocab 259 (bytes), lr 1e-3": dict(vocab_size=259, steps=500, lr=1e-3),
+         "vocab 512, lr 1e-3": dict(vocab_size=512, steps=500, lr=1e-3),
+         "vocab 512, lr 4e-3": dict(vocab_size=512, steps=500, lr=4e-3),
+         "vocab 384, 750 steps": dict(vocab_size=384, steps=750),
+         "vocab 384, 750 steps, balancing weight 0.3": dict(vocab_size=384, steps=750, aux_coef=0.3),
+         "vocab 384, 375 steps of 4096 tokens (seqlen 256), lr 3e-3": dict(vocab_size=384, steps=375, seqlen=256,
+                                                                           tokens_per_step=4096, lr=3e-3)}
 
 PROMPTS = ["def read_config(path):\n", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n\n",
            "    for i in range("]
@@ -43,7 +47,7 @@ def plot(rows, path):
     ax.plot([r["step"] for r in rows["train"]], [r["loss"] for r in rows["train"]], lw=0.8, label="train (per step)")
     ax.plot([r["step"] for r in rows["val"]], [r["val_loss"] for r in rows["val"]], "o-", label="validation")
     ax.axhline(rows["unigram"], color="gray", ls="--", label="unigram entropy")
-    ax.set_xlabel("step (2048 tokens)")
+    ax.set_xlabel(f"step ({DEMO_TRAINING['tokens_per_step']} tokens)")
     ax.set_ylabel("next-token loss (nats)")
     ax.set_title("demo preset on the standard library, 2 CPU cores")
     ax.legend()
@@ -51,16 +55,19 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def sweep(steps: int = 150) -> dict:
+def sweep() -> dict:
     import tempfile
 
     results = {}
     for name, change in SWEEP.items():
         with tempfile.TemporaryDirectory() as out:
-            settings = {**DEMO_TRAINING, "steps": steps, "eval_every": steps, "log_every": steps, **change}
+            steps = change["steps"]
+            settings = {**DEMO_TRAINING, "eval_every": steps, "log_every": steps, "save_every": steps, **change}
             result = run_training(TrainOptions(out=out, **settings))
             rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         results[name] = {"settings": change, "val_loss": result["val_loss"],
+                         "unigram_entropy": result["unigram_entropy"],
+                         "ratio_to_unigram": result["val_loss"] / result["unigram_entropy"],
                          "router_imbalance_last_10": sum(r["router_imbalance"] for r in rows[-10:]) / 10,
                          "tokens_per_s": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2]}
         print(name, results[name], flush=True)
@@ -85,10 +92,11 @@ def main() -> None:
     val = [r for r in rows if "val_loss" in r]
     write_results("demo_model", {
         "training": DEMO_TRAINING, "summary": summary, "train_seconds": seconds,
+        "val_over_unigram_entropy": summary["val_loss"] / summary["unigram_entropy"],
         "median_tokens_per_s": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
         "validation": [{"step": r["step"], "val_loss": r["val_loss"]} for r in val], "completions": completions,
         "router_imbalance_last_10": sum(r["router_imbalance"] for r in rows[-10:]) / 10,
-        **({"sweep_150_steps": recipes} if recipes else {}),
+        **({"sweep": recipes} if recipes else {}),
     }, plot, {"train": rows, "val": val, "unigram": summary["unigram_entropy"]})
 
 

@@ -54,8 +54,8 @@ def _add_demo(sub) -> None:
     demo.add_argument("--cp", type=_positive, default=2, help="context-parallel degree (default 2)")
     demo.add_argument("--ep", type=_positive, default=2, help="expert-parallel degree (default 2)")
     demo.add_argument("--retrain", action="store_true", help="train the cached demo model again (about two minutes)")
-    demo.add_argument("--train-steps", type=_positive, default=500,
-                      help="optimizer steps of the demo model's training (default 500, about two minutes on 2 cores; "
+    demo.add_argument("--train-steps", type=_positive, default=900,
+                      help="optimizer steps of the demo model's training (default 900, about two minutes on 2 cores; "
                            "a different count trains and caches a model of its own)")
 
 

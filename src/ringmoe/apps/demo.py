@@ -47,7 +47,7 @@ class DemoOptions:
     concurrent: int = 16
     new_tokens: int = 24
     retrain: bool = False
-    train_steps: int = 500
+    train_steps: int = 900
 
 
 def _start_server(checkpoint: Path, cp: int, ep: int, port: int) -> subprocess.Popen:
