@@ -327,6 +327,34 @@ def test_the_deterministic_mode_keeps_its_bits_with_drafts(family, spec):
         assert alone == ([tokens[i]], [logprobs[i]])
 
 
+def test_grammar_constrained_requests_verify_drafts_under_their_masks(served_checkpoint):
+    """A JSON-schema request with drafts: each row is drawn under the grammar's mask after the rows before it, so the
+    text (greedy and seeded sampling) is the one decoding without drafts writes, whether every draft is accepted
+    (an oracle), every one is rejected (drafts the grammar forbids) or n-gram lookup drafts."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from ringmoe.serve.structured import GrammarBackend, GrammarSpec
+
+    plain = Engine.from_checkpoint(served_checkpoint, dtype=torch.float64)
+    backend = GrammarBackend(plain.tokenizer, plain.model.config.vocab_size, plain.eos_ids)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "enum": ["aa", "bb"]}}}, "required": ["name", "tags"], "additionalProperties": False}
+    grammar = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    prompts = [plain.tokenizer.encode(p) for p in ("json? ", "give me an object: ", "{")]
+    for sampling in (dict(temperature=0), dict(temperature=0.9, seed=3)):
+        params = SamplingParams(grammar=grammar, max_tokens=30, **sampling)
+        want = [o.output_ids for o in plain.generate(prompts, params)]
+        for drafter in (Oracle(prompts, want), Oracle(prompts, want, wrong=True), None):
+            engine = Engine(plain.model, tokenizer=plain.tokenizer, speculative_config=NGRAM)
+            engine.drafter = drafter if drafter is not None else engine.drafter
+            got = engine.generate(prompts, params)
+            assert [o.output_ids for o in got] == want, (sampling, drafter)
+            assert all(out.finish_reason in ("stop", "length") for out in got)
+            if isinstance(drafter, Oracle):
+                assert engine.spec_stats.num_draft_tokens > 10
+
+
 def test_greedy_verification_accepts_exactly_the_argmax_prefix():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
     greedy = SamplingParams(temperature=0)

@@ -167,7 +167,8 @@ def _tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
         hf_name = name.removeprefix("mtp_")  # an MTP module is the checkpoint's layer past the last
         if name.endswith(".weight_q.codes"):
             module = name.removesuffix(".weight_q.codes")
-            out.update(_fp8(f"model.{hf_name.removesuffix('.weight_q.codes')}.weight", model.get_submodule(module).weight_q))
+            weight = model.get_submodule(module).weight_q
+            out.update(_fp8(f"model.{hf_name.removesuffix('.weight_q.codes')}.weight", weight))
             continue
         out[name if name == "lm_head.weight" else f"model.{hf_name}"] = param
     for index in model.mtp_layers:  # DeepSeek-V3's MTP layers carry copies of the shared embedding and head

@@ -46,7 +46,7 @@ from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
 from .mtp_drafter import MTPDrafter
-from .speculative import SpeculationStats, SpeculativeConfig, can_speculate, verify_drafts
+from .speculative import SpeculationStats, SpeculativeConfig, can_speculate, check_finite, draw
 from .structured import grammar_masks
 
 __all__ = ["Engine", "StepStats"]
@@ -343,7 +343,7 @@ class Engine:
             for request in group.running:
                 request.draft_ids = []
                 if busy or request.remaining != 1 or not request.output_ids or not can_speculate(
-                        request.params, len(request.output_ids), request.matcher):
+                        request.params, len(request.output_ids)):
                     continue
                 room = min(k, self.draft_room(request, self.groups.index(group)))
                 if room > 0:
@@ -357,24 +357,33 @@ class Engine:
                    self.groups[group].max_model_len - request.num_tokens - 1)
 
     def _verify(self, request: Request, hidden: torch.Tensor) -> list[RequestOutput]:
-        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)): the accepted
-        tokens and one more go through the usual stop rules; the cache keeps only accepted positions."""
+        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)), row by row: each row's
+        token is drawn as decoding would draw it (``draw``; under a grammar, masked by the grammar's state after the
+        rows before) and goes through the usual stop rules; the next row is used while the draw is the draft.
+        The cache keeps only accepted positions."""
         drafts, request.draft_ids = request.draft_ids, []
         try:
             with torch.no_grad(), self._invariance():
                 logits = self.model.lm_head(hidden.to(self.runner.device)).float()
-            choices = verify_drafts(drafts, logits, request.params, request.generator)
+            check_finite(logits)
         except Exception as error:  # this request alone ends
             return [self._failed(request, error, request.emitted)]
-        for stats in (self.spec_stats, self._step_spec):
-            stats.record(len(drafts), len(choices) - 1)
-        outputs = []
-        for i, choice in enumerate(choices):
-            outputs.append(self._sample_safely(request, logits[i], None, choice))
-            if request.status == Status.FINISHED:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        outputs, accepted = [], 0
+        for i in range(len(drafts) + 1):
+            try:
+                mask = grammar_masks([request.matcher], logits.shape[1])[0]
+                token = draw(logits[i], request.params, request.generator, mask)
+            except Exception as error:
+                outputs.append(self._failed(request, error, request.emitted))
                 break
-            if i < len(choices) - 1:  # an accepted draft: its K/V (computed this step) now count
-                request.num_computed += 1
+            outputs.append(self._sample_safely(request, logits[i], None, TokenChoice(token, float(logprobs[i, token]))))
+            if request.status == Status.FINISHED or i == len(drafts) or token != drafts[i]:
+                break
+            request.num_computed += 1  # an accepted draft: its K/V (computed this step) now count
+            accepted += 1
+        for stats in (self.spec_stats, self._step_spec):
+            stats.record(len(drafts), accepted)
         if request.status != Status.FINISHED:
             group = self.groups[self._group_of[request.request_id]]
             group.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)

@@ -18,7 +18,7 @@ computed, in order:
 Every pass is one packed batch over the engine's requests (on a mesh, a plan every rank runs: the module's MoE
 exchanges its tokens like any layer).  Drafts are greedy; the target's rule (``verify_drafts``) keeps the output
 distribution exact whatever they are.  A request never drafts when its rows are not plain (``can_speculate``),
-and requests that can never draft (penalties, n > 1, a grammar) skip the module altogether.  A prefix-cache hit
+and requests that can never draft (penalties, n > 1) skip the module altogether.  A prefix-cache hit
 reuses the module's K/V written by the request that computed those blocks (the last position of a block read the
 token after it in that request): drafts may differ, outputs cannot.
 """
@@ -42,9 +42,9 @@ class MTPDrafter:
 
     @staticmethod
     def tracks(request: Request) -> bool:
-        """Whether the module follows ``request`` (it may draft for it some day: plain rows, one sample, no grammar;
+        """Whether the module follows ``request`` (it may draft for it some day: plain rows and one sample;
         min_tokens only delays drafting)."""
-        return request.params.plain and request.params.n == 1 and request.matcher is None
+        return request.params.plain and request.params.n == 1
 
     def propose(self, request: Request, room: int) -> list[int]:
         return request.mtp_drafts[:room]

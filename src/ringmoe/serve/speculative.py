@@ -30,7 +30,8 @@ import torch
 
 from .sampling import NonFiniteLogits, SamplingParams, TokenChoice, truncated_probs
 
-__all__ = ["SpeculativeConfig", "NgramDrafter", "SpeculationStats", "verify_drafts", "can_speculate"]
+__all__ = ["SpeculativeConfig", "NgramDrafter", "SpeculationStats", "verify_drafts", "can_speculate", "draw",
+           "check_finite"]
 
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 64
@@ -125,28 +126,45 @@ class NgramDrafter:
         return []
 
 
-def can_speculate(params: SamplingParams, output_len: int, grammar: object | None) -> bool:
+def can_speculate(params: SamplingParams, output_len: int) -> bool:
     """Drafts are verified for requests whose rows follow the plain distribution (``SamplingParams.plain``: no
-    penalties, bias, top-p or top logprobs), one sample, no grammar and no banned tokens any more."""
-    return params.plain and params.n == 1 and grammar is None and output_len >= params.min_tokens
+    penalties, bias, top-p or top logprobs), one sample, and no banned tokens any more (min_tokens reached); a
+    grammar's mask applies to each row as it is drawn (``draw``)."""
+    return params.plain and params.n == 1 and output_len >= params.min_tokens
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+         mask: torch.Tensor | None = None) -> int:
+    """The token decoding chooses from one row of logits (V,) float32 of a ``can_speculate`` request: the argmax,
+    or one draw from the truncated distribution; ``mask`` (V,) the additive grammar mask (0 / -inf)."""
+    if mask is not None:
+        logits = logits + mask
+        if bool(torch.isneginf(logits).all()):
+            raise ValueError("no token is allowed here (the grammar excludes them all)")
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(truncated_probs(logits, params), 1, generator=generator))
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """NonFiniteLogits when a row is NaN or +inf (the engine ends that request alone)."""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise NonFiniteLogits("the model produced NaN or inf logits for this request")
 
 
 def verify_drafts(drafts: list[int], logits: torch.Tensor, params: SamplingParams,
                   generator: torch.Generator | None) -> list[TokenChoice]:
-    """The tokens a step with ``drafts`` yields: the accepted drafts, then one more (the correction at the first
-    rejection, or the bonus when all were accepted).  logits (len(drafts) + 1, V): row i is the target's
+    """The tokens a step with ``drafts`` yields (no grammar): the accepted drafts, then one more (the correction at
+    the first rejection, or the bonus when all were accepted).  logits (len(drafts) + 1, V): row i is the target's
     distribution after drafts[:i].  For ``can_speculate`` params only.  Raises NonFiniteLogits when a row is NaN
-    or +inf (the engine ends that request alone)."""
+    or +inf.  (The engine runs the same loop row by row, a grammar's mask drawn from its state after the rows
+    before: ``Engine._verify``.)"""
     logits = logits.float()
-    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
-        raise NonFiniteLogits("the model produced NaN or inf logits for this request")
+    check_finite(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = []
     for i in range(len(drafts) + 1):  # draw as decoding would; go on while the draw is the draft
-        if params.greedy:
-            token = int(torch.argmax(logits[i]))
-        else:
-            token = int(torch.multinomial(truncated_probs(logits[i], params), 1, generator=generator))
+        token = draw(logits[i], params, generator)
         chosen.append(TokenChoice(token, float(logprobs[i, token])))
         if i == len(drafts) or token != drafts[i]:
             return chosen
