@@ -43,7 +43,7 @@ __all__ = ["DemoOptions", "run_demo"]
 class DemoOptions:
     cp: int = 2
     ep: int = 2
-    long_prompt_tokens: int = 3000
+    long_prompt_words: int = 2250
     concurrent: int = 16
     new_tokens: int = 24
     retrain: bool = False
@@ -97,10 +97,10 @@ def _stream_a_completion(client, console, options: DemoOptions) -> None:
 
 
 def _answer_a_long_prompt(client, console, options: DemoOptions, words: list[str]) -> None:
-    console.print(f"\n[bold]2. a long prompt[/] (~{options.long_prompt_tokens} tokens of the standard library, "
+    console.print(f"\n[bold]2. a long prompt[/] ({options.long_prompt_words} words of the standard library, "
                   f"prefilled by ring attention over the cp group; sampled at temperature 0.7 with a repetition "
                   f"penalty of 1.2, which keeps a small model out of loops)")
-    long_prompt = " ".join(words[: int(options.long_prompt_tokens * 0.75)])
+    long_prompt = " ".join(words[:options.long_prompt_words])
     began = time.perf_counter()
     answer = client.completions.create(model="demo", prompt=long_prompt, max_tokens=16, temperature=0.7, seed=2,
                                        extra_body={"repetition_penalty": 1.2})
