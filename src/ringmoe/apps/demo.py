@@ -180,11 +180,12 @@ def run_demo(options: DemoOptions) -> bool:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     world = options.cp * options.ep
+    launched = time.monotonic()
     proc = _start_server(checkpoint, options.cp, options.ep, port)
     try:
         wait_healthy(url, proc)
         console.print(f"[bold]ringmoe serve[/] on {url}: cp={options.cp} x ep={options.ep}, {world} ranks "
-                      f"(pids {_descendants(proc.pid)[:world]}), up in {time.monotonic() - start:.1f} s")
+                      f"(pids {_descendants(proc.pid)[:world]}), up in {time.monotonic() - launched:.1f} s")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         words = "\n".join(stdlib_texts(200_000)).split(" ")
         _stream_a_completion(client, console, options)
