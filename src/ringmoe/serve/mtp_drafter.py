@@ -70,26 +70,29 @@ class MTPDrafter:
         if not any(catch_up):
             return
         states, _ = engine.run_plan(catch_up, mtp=True)
-        for depth in range(self.k):
-            if not due:
-                return
-            drafts = self._greedy([states[r.request_id] for _, r, _ in due])
-            for (_, request, _), token in zip(due, drafts):
+        while due:  # one draft per pass: the head's greedy guess from the module's last state
+            guesses = self._greedy([states[request.request_id] for _, request, _ in due])
+            for (_, request, _), token in zip(due, guesses):
                 request.mtp_drafts.append(token)
-            due = [(g, r, room) for g, r, room in due if len(r.mtp_drafts) < room and self._grow(g, r, room)]
-            if not due or depth == self.k - 1:
-                return
-            chain = [[] for _ in plan]
-            for group, request, _ in due:  # the module on its own state and draft, one position further
-                position = request.num_computed + len(request.mtp_drafts) - 1
-                blocks = engine.groups[group].blocks
-                tables = blocks.block_table(request.request_id)
-                chain[group].append(WorkItem(request.request_id, [request.mtp_drafts[-1]], position,
-                                             tables if self.engine.mesh.cp > 1 else [tables],
-                                             "decode" if self.engine.mesh.cp > 1 else "paged",
-                                             getattr(blocks, "ring_len", {}).get(request.request_id, 0),
-                                             previous=states[request.request_id][None]))
-            states, _ = engine.run_plan(chain, mtp=True)
+            due = [(group, request, room) for group, request, room in due
+                   if len(request.mtp_drafts) < min(room, self.k) and self._grow(group, request)]
+            if due:
+                states, _ = engine.run_plan(self._chain(due, states, len(plan)), mtp=True)
+
+    def _chain(self, due: list, states: dict, groups: int) -> list[list[WorkItem]]:
+        """The next pass: each request's module on its own last state (``states``) and its last draft, one position
+        further."""
+        cp = self.engine.mesh.cp
+        plan = [[] for _ in range(groups)]
+        for group, request, _ in due:
+            blocks = self.engine.groups[group].blocks
+            tables = blocks.block_table(request.request_id)
+            plan[group].append(WorkItem(request.request_id, [request.mtp_drafts[-1]],
+                                        request.num_computed + len(request.mtp_drafts) - 1,
+                                        tables if cp > 1 else [tables], "decode" if cp > 1 else "paged",
+                                        blocks.ring_len[request.request_id] if cp > 1 else 0,
+                                        previous=states[request.request_id][None]))
+        return plan
 
     @staticmethod
     def _catch_up(item: WorkItem, request: Request, computed: int, reports: dict) -> WorkItem:
@@ -107,7 +110,7 @@ class MTPDrafter:
             logits = model.lm_head(torch.stack(states).to(self.engine.runner.device))
         return logits.argmax(-1).tolist()
 
-    def _grow(self, group: int, request: Request, room: int) -> bool:
+    def _grow(self, group: int, request: Request) -> bool:
         """Blocks for the next chained pass's position (num_computed + drafts - 1); False when none is free."""
         blocks = self.engine.groups[group].blocks
         try:

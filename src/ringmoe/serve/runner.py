@@ -177,8 +177,8 @@ class ModelRunner:
             spans.append((item, len(ids), len(local)))
             ids += local
             positions += where
-        attention = StepAttention(self, *([s for s in spans if s[0].kind == kind] for kind in ("paged", "decode",
-                                                                                                "ring")))
+        kinds = {kind: [span for span in spans if span[0].kind == kind] for kind in ("paged", "decode", "ring")}
+        attention = StepAttention(self, kinds["paged"], kinds["decode"], kinds["ring"])
         device = self.device
         return (torch.tensor([ids], dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), spans, attention)
