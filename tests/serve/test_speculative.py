@@ -395,7 +395,8 @@ def test_drafting_stops_from_disable_by_batch_size_running_requests():
 
 
 def test_bad_speculative_configs_are_refused_naming_the_key():
-    for config, match in [({"method": "eagle"}, "method"), ({"method": "mtp", "prompt_lookup_max": 2}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    for config, match in [({"method": "eagle"}, "method"), ({"method": "mtp", "prompt_lookup_max": 2}, "ngram"),
+                          ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                           ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
                           ({"draft_model": "x"}, "unsupported key"), ("not json", "JSON object"), ([1], "JSON object"),
                           ({"disable_by_batch_size": 0}, "disable_by_batch_size")]:

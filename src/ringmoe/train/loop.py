@@ -19,7 +19,8 @@ Gradients: ``reduce_gradients`` sums replicas; the global norm counts every para
 ones on any rank, experts summed over the ep group); clipping scales every gradient by
 min(1, clip / norm).  The cross entropy is fused with the LM head (``fused_loss``).  A model with multi-token
 prediction modules (``model/mtp.py``) adds DeepSeek-V3's MTP loss: mtp_lambda times the mean over depths k of the
-cross entropy of module k's prediction of the token k + 1 places ahead (labels IGNORE'd past a document's end).  AdamW with linear warmup and cosine decay to ``min_lr_ratio``.
+cross entropy of module k's prediction of the token k + 1 places ahead (labels IGNORE'd past a document's end).
+AdamW with linear warmup and cosine decay to ``min_lr_ratio``.
 """
 
 from __future__ import annotations
