@@ -93,6 +93,16 @@ def test_train_with_mtp_exports_a_checkpoint_that_serves_mtp_drafts(tmp_path, ca
     engine = Engine.from_checkpoint(out / "hf", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert engine.generate(["def f3(x):\n"], params)[0].output_ids == plain.output_ids
     assert engine.spec_stats.num_draft_tokens > 0
+    from tests.served import MODEL, Server, metric  # `ringmoe serve` drafts with the exported module too
+
+    server = Server(out / "hf", 1, 1, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    try:
+        answer = server.client.completions.create(model=MODEL, prompt="def f3(x):\n", max_tokens=16, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == plain.text
+        assert metric(server.url, "ringmoe:spec_decode_num_draft_tokens_total") > 0
+    finally:
+        server.stop()
     assert main(["train", "--out", str(tmp_path / "x"), "--preset", "tiny", "--mtp"]) == 2
     assert "--mtp trains DeepSeek-V3's multi-token prediction module" in capsys.readouterr().err
 
