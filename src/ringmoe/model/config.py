@@ -152,6 +152,13 @@ class ModelConfig:
             return (-1, -1)
         return (self.sliding_window - 1, 0)
 
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values a paged KV cache holds per token: every layer's K and V (MLA: its latent and RoPE key, once), the
+        multi-token prediction modules' layers included."""
+        width = self.kv_lora_rank + self.qk_rope_head_dim if self.mla else 2 * self.num_kv_heads * self.head_dim
+        return (self.num_layers + self.mtp_layers) * width
+
     def is_moe(self, layer: int) -> bool:
         return layer not in self.dense_layers
     def replace(self, **changes) -> "ModelConfig":

@@ -139,8 +139,7 @@ class MoETransformer(nn.Module):
         if attention is None:
             attention = self.causal_attention(ring_stats)
         x = self.embed_tokens(input_ids)
-        rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
-        cos, sin = rope_tables(positions, rope_dim, self.config.rope_theta, x.dtype, dict(self.config.rope_scaling))
+        cos, sin = self._rope_tables(positions, x.dtype)
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             with activity(f"layer {index}"):
@@ -163,8 +162,7 @@ class MoETransformer(nn.Module):
 
         input_ids, positions (T,) int64 -> (hidden (T, hidden), the routing of every MoE layer, in order)."""
         x = self.embed_tokens(input_ids)[None]
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype,
-                               dict(self.config.rope_scaling))
+        cos, sin = self._rope_tables(positions, x.dtype)
         routings = []
         for layer in self.layers:
             x, routing = layer.forward_static(x, cos, sin, attention)
@@ -184,10 +182,13 @@ class MoETransformer(nn.Module):
         self._check_ids(next_ids)
         module = self.mtp_layers[str(self.config.num_layers + depth - 1)]
         embedded = self.embed_tokens(next_ids)
-        rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
-        cos, sin = rope_tables(positions, rope_dim, self.config.rope_theta, embedded.dtype,
-                               dict(self.config.rope_scaling))
+        cos, sin = self._rope_tables(positions, embedded.dtype)
         return module.predict(previous, embedded, cos, sin, attention)
+
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at ``positions`` (MLA: over the RoPE part of the heads)."""
+        rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
+        return rope_tables(positions, rope_dim, self.config.rope_theta, dtype, dict(self.config.rope_scaling))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: AttentionBackend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:

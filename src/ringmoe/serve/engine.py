@@ -668,9 +668,7 @@ def _tokens_in(kv_cache_bytes: int, model: MoETransformer, fp8: bool, block_size
     MTP modules' layers included; one byte per value for an FP8 cache); ValueError below one block."""
     if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) or kv_cache_bytes < 1:
         raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
-    c = model.config
-    width = c.kv_lora_rank + c.qk_rope_head_dim if c.mla else 2 * c.num_kv_heads * c.head_dim
-    per_token = (c.num_layers + c.mtp_layers) * width * (1 if fp8 else model.embed_tokens.weight.element_size())
+    per_token = model.config.kv_values_per_token * (1 if fp8 else model.embed_tokens.weight.element_size())
     tokens = kv_cache_bytes // per_token
     if tokens < block_size:
         raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {tokens} tokens ({per_token} bytes each): less "

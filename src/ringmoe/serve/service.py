@@ -159,8 +159,7 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
 
     width = DTYPES[options.dtype].itemsize
     kv_width = 1 if kv_cache_is_fp8(options.kv_cache_dtype) else width
-    per_token = (config.num_layers + config.mtp_layers) * (config.kv_lora_rank + config.qk_rope_head_dim if config.mla
-                                                           else 2 * config.num_kv_heads * config.head_dim)
+    per_token = config.kv_values_per_token
     ranks = options.cp * options.ep
     parts = {"weights": ranks * config.weight_bytes(config.num_experts // options.ep, width),
              "KV cache": ranks * options.kv_cache_tokens * per_token * kv_width,
