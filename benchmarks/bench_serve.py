@@ -2,11 +2,12 @@
 
 Checkpoint: the demo's (small preset, Mixtral architecture, 4 layers, hidden 256, 8 experts top-2,
 float32, a BPE tokenizer trained on the standard library).  Servers on 127.0.0.1, each started,
-warmed up, loaded and stopped in turn: ringmoe 1 x 1 (one process), ringmoe cp=1 x ep=2
-(2 ranks x 1 thread: the mesh that fits 2 cores), ringmoe-eager (1 x 1 with --enforce-eager: no
-compiled decode graph), transformers serve (CPU, continuous batching) with 2 and
-with 1 intra-op thread (each load compares against the peer's better one).  ringmoe serve's default
-leaves a core to its HTTP loop (1 engine thread on 2 cores).
+warmed up, loaded and stopped in turn: ringmoe 1 x 1 (the default: the engine in its own process with
+every core, one HTTP front-end process), ringmoe-thread (--engine-core thread: the engine stepped by a
+thread of the HTTP process, a core left to the HTTP loop), ringmoe-api2 (--api-server-count 2),
+ringmoe cp=1 x ep=2 (2 ranks x 1 thread: the mesh that fits 2 cores), ringmoe-eager (--enforce-eager:
+no compiled decode graph), transformers serve (CPU, continuous batching) with 2 and with 1 intra-op
+thread (each load compares against the peer's better one).
 Load (``ringmoe bench serve``'s client): streaming /v1/completions, prompts of 32..256 words,
 ``--new`` tokens at most (no ignore_eos: transformers serve rejects it; the random model rarely ends
 early, and the output tokens counted are the ones streamed), at concurrency 8 / 32 / 64 with all
@@ -52,9 +53,10 @@ def start(kind: str, checkpoint: Path, extra: tuple[str, ...] = ()) -> tuple[sub
         model = str(checkpoint)
     else:
         ep = "2" if kind == "ringmoe-ep2" else "1"
-        eager = ["--enforce-eager"] if kind == "ringmoe-eager" else []
+        flags = {"ringmoe-eager": ["--enforce-eager"], "ringmoe-thread": ["--engine-core", "thread"],
+                 "ringmoe-api2": ["--api-server-count", "2"]}.get(kind, [])
         cmd = [str(BIN / "ringmoe"), "serve", "--model", str(checkpoint), "--port", str(port), "--ep", ep,
-               "--served-model-name", "demo", "--kv-cache-tokens", "65536", *eager, *extra]
+               "--served-model-name", "demo", "--kv-cache-tokens", "65536", *flags, *extra]
         model = "demo"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -93,6 +93,20 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    found = []
+    for child in children(pid):
+        found += [child] + descendants(child)
+    return found
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -137,11 +151,22 @@ class Server:
         self.log.seek(0, 2)
         return text
 
+    def engine_process(self) -> int | None:
+        """The engine-core process (--engine-core process, the default); None when the engine is a thread."""
+        return next((p for p in descendants(self.proc.pid) if comm(p) == "ringmoe-engine"), None)
+
+    def frontends(self) -> list[int]:
+        """The HTTP front-end processes (--engine-core process)."""
+        return sorted((p for p in children(self.proc.pid) if comm(p).startswith("ringmoe-api-")),
+                      key=lambda p: comm(p))
+
     def ranks(self) -> list[int]:
-        return children(self.proc.pid)
+        """A mesh's rank processes (the engine process's children, or the server's with --engine-core thread)."""
+        engine = self.engine_process()
+        return children(engine) if engine is not None else children(self.proc.pid)
 
     def stop(self) -> tuple[int, str]:
-        everything = [self.proc.pid] + children(self.proc.pid)
+        everything = [self.proc.pid] + descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:

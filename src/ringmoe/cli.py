@@ -222,6 +222,12 @@ def _add_serve(sub) -> None:
                        "compiles its decode step with torch.compile at start-up, ~10-40 s on a CPU)")
     serve.add_argument("--threads", type=_positive, default=None, help="intra-op threads per rank (default: the "
                        "cores less one, left to the HTTP loop, shared among the ranks)")
+    serve.add_argument("--engine-core", default="process", choices=["process", "thread"],
+                       help="process: the engine steps in a process of its own and the HTTP front ends talk to it "
+                       "over ZMQ (default); thread: the engine steps in a thread of the HTTP server's process "
+                       "(also what each rank does under --launcher torchrun)")
+    serve.add_argument("--api-server-count", type=_positive, default=1, metavar="N",
+                       help="HTTP front-end processes sharing the port and the one engine (--engine-core process)")
     serve.add_argument("--launcher", default="spawn", choices=["spawn", "torchrun"],
                        help="spawn: local ranks (default); torchrun: this process is one rank")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route "
@@ -447,7 +453,8 @@ def _serve(args) -> int:
                            block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                            max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                            deterministic=args.deterministic, enforce_eager=args.enforce_eager, dtype=args.dtype,
-                           quantization=args.quantization, threads=args.threads,
+                           quantization=args.quantization, threads=args.threads, engine_core=args.engine_core,
+                           api_server_count=args.api_server_count,
                            limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),
                            api_key=args.api_key if args.api_key is not None else os.environ.get("RINGMOE_API_KEY"),
                            tool_call_parser=args.tool_call_parser, json_any_whitespace=args.json_any_whitespace,

@@ -1,4 +1,5 @@
-"""A SIGKILLed mesh server leaves nothing behind: no rank, no template worker, nothing in the temp directory."""
+"""A SIGKILLed mesh server leaves nothing behind: no engine process, rank, front end or template worker, nothing in
+the temp directory."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_no_temp_files(served_chec
     temp.mkdir()
     s = Server(served_checkpoint, 2, 1, env={"TMPDIR": str(temp)})
     try:
-        ranks = s.ranks()
-        workers = [pid for rank in ranks for pid in children(rank)]  # rank 0's chat-template processes
-        assert len(ranks) == 2 and len(workers) == 2
+        ranks, frontends = s.ranks(), s.frontends()
+        workers = [pid for front in frontends for pid in children(front)]  # the front end's chat-template processes
+        assert len(ranks) == 2 and len(frontends) == 1 and len(workers) == 2
+        ranks += [s.engine_process()] + frontends
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait(timeout=10)
         deadline = time.monotonic() + 10

@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from . import watchdog
 
-__all__ = ["spawn", "free_port", "init_from_env", "join_torchrun", "RankFailed", "JobInterrupted"]
+__all__ = ["spawn", "free_port", "init_from_env", "join_torchrun", "die_with_parent", "name_process",
+           "process_alive", "RankFailed", "JobInterrupted"]
 
 
 class RankFailed(RuntimeError):
@@ -80,7 +81,28 @@ def _stack_files(world_size: int) -> tuple[dict[int, str], list[int], Path | Non
     return {rank: str(folder / f"rank{rank}.stack") for rank in range(world_size)}, [], folder
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def name_process(name: str) -> None:
+    """Name this process as ps, top and /proc/PID/comm show it (Linux keeps 15 characters)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")
+
+
+def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphaned ranks)."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -92,7 +114,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def _rank_main(fn, rank, world_size, port, backend, threads, pg_timeout, args, writer, board, stack_file, parent):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; a terminal's Ctrl-C reaches it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_parent(parent)
+    die_with_parent(parent)
     watchdog.install(board, rank, stack_file)
     try:
         torch.set_num_threads(threads)

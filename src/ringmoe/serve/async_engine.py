@@ -12,42 +12,27 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 import traceback
-import uuid
-from dataclasses import dataclass
 from typing import Callable
 
 from .engine import Engine
+from .engine_client import EngineFailed, EngineInfo, EngineLoad, OutputStreams, QueueFull
 from .sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineFailed", "QueueFull"]
 
 
-class EngineFailed(RuntimeError):
-    """The engine thread stopped on an error; no request can be served."""
-
-
-class QueueFull(RuntimeError):
-    """More requests are waiting than the server accepts (``max_waiting``)."""
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float
-    open_samples: int = 1  # samples (n) not finished yet
-
-
 class AsyncEngine:
+    """An ``EngineClient`` over an engine of this process, stepped by its own thread."""
+
     def __init__(self, engine: Engine, max_waiting: int = 1024, on_step: Callable | None = None,
                  on_failure: Callable[[BaseException], None] | None = None):
         self.engine, self.max_waiting = engine, max_waiting
         self.on_step, self.on_failure = on_step, on_failure
+        self.info = EngineInfo.of(engine)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams = OutputStreams(threadsafe=True)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending = 0  # submitted, not yet taken by the engine thread
@@ -58,6 +43,9 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         self.thread.start()
         return self
+
+    async def ready(self) -> None:
+        """The engine is built before this object: nothing to wait for."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -72,25 +60,26 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self._pending + sum(len(g.waiting) for g in self.engine.groups)
 
+    @property
+    def last_stats(self):
+        return self.engine.last_stats
+
+    async def status(self) -> EngineLoad:
+        """Read from the event loop without a lock: counters and lengths the engine thread updates."""
+        return EngineLoad.of(self.engine)
+
     # -- called from the event loop ------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                outputs: asyncio.Queue | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a validated request; returns its id and the queue its outputs arrive on (``outputs`` when
         given: several requests may share one).  Every sample (n) of it arrives there, tagged by group_id
         (the id returned) and index."""
-        if not self.alive:
-            raise EngineFailed(f"the engine stopped: {self.failed!r}")
-        if self.num_waiting >= self.max_waiting:
-            raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting={self.max_waiting})")
-        request_id = uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), outputs if outputs is not None else asyncio.Queue(),
-                         time.monotonic(), params.n)
-        self._streams[request_id] = stream
+        request_id, queue_ = self._streams.admit(self, params.n, outputs)
         with self._pending_lock:
             self._pending += 1
         self._inbox.put((request_id, prompt_ids, params))
         self._wake.set()
-        return request_id, stream.queue
+        return request_id, queue_
 
     def abort(self, request_id: str) -> None:
         """Free a request's KV as soon as the engine thread gets to it (a client went away)."""
@@ -98,59 +87,45 @@ class AsyncEngine:
         self._wake.set()
 
     # -- the engine thread ----------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
-    def _close_sample(self, group_id: str) -> None:
-        stream = self._streams.get(group_id)
-        if stream is not None:
-            stream.open_samples -= 1
-            if stream.open_samples <= 0:
-                del self._streams[group_id]
+    def _take_requests(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                request_id, prompt_ids, params = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            with self._pending_lock:
+                self._pending -= 1
+            try:
+                engine.add_request(prompt_ids, params, request_id=request_id)
+            except Exception as error:  # this request is refused; the engine goes on
+                self._streams.refuse(request_id, error if isinstance(error, (ValueError, TypeError))
+                                     else ValueError(f"the request could not be admitted: {error}"))
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                break
+            engine.abort(request_id)
+            self._streams.close(request_id)
 
     def _run(self) -> None:
         engine = self.engine
         try:
             while not self._stop.is_set():
-                while True:
-                    try:
-                        request_id, prompt_ids, params = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    with self._pending_lock:
-                        self._pending -= 1
-                    try:
-                        engine.add_request(prompt_ids, params, request_id=request_id)
-                    except Exception as error:  # this request is refused; the engine goes on
-                        self._deliver(request_id, error if isinstance(error, (ValueError, TypeError))
-                                      else ValueError(f"the request could not be admitted: {error}"))
-                        self._streams.pop(request_id, None)
-                while True:
-                    try:
-                        request_id = self._aborts.get_nowait()
-                    except queue.Empty:
-                        break
-                    engine.abort(request_id)
-                    self._streams.pop(request_id, None)
+                self._take_requests()
                 if not engine.has_unfinished:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
                 outputs = engine.step()
                 for out in outputs:
-                    self._deliver(out.group_id, out)
-                    if out.finished:
-                        self._close_sample(out.group_id)
+                    self._streams.deliver_output(out)
                 if self.on_step is not None:
                     self.on_step(engine.last_stats, outputs)
         except BaseException as error:  # a rank died or a collective broke: fail every open request
             self.failed = error
-            failure = EngineFailed(f"the engine stopped: {error}\n{traceback.format_exc()}")
-            for request_id in list(self._streams):
-                self._deliver(request_id, failure)
-            self._streams.clear()
+            self._streams.fail_all(EngineFailed(f"the engine stopped: {error}\n{traceback.format_exc()}"))
             if self.on_failure is not None:
                 self.on_failure(error)
 
@@ -158,4 +133,3 @@ class AsyncEngine:
         """After the thread has stopped: release the worker ranks (mesh engines)."""
         if self.failed is None:
             self.engine.shutdown()
-

@@ -118,12 +118,13 @@ class ServerMetrics:
     def on_admit(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
 
-    def refresh(self, engine) -> None:
-        """Set the gauges from the engine's state now (it may have changed since the last step: aborts)."""
+    def refresh(self, load) -> None:
+        """Set the gauges from the engine's state now (an ``EngineLoad``: it may have changed since the last
+        step, by aborts)."""
         m = self.model
-        self.running.labels(m).set(sum(len(g.running) for g in engine.groups))
-        self.waiting.labels(m).set(sum(len(g.waiting) for g in engine.groups))
-        self.kv_usage.labels(m).set(max(g.blocks.usage for g in engine.groups))
+        self.running.labels(m).set(load.running)
+        self.waiting.labels(m).set(load.waiting)
+        self.kv_usage.labels(m).set(load.kv_usage)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

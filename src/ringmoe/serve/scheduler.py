@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .kv_cache import BlockManager, NoFreeBlocks
 from .request import Request, Status
 
-__all__ = ["Scheduler", "ScheduledBatch"]
+__all__ = ["Scheduler", "ScheduledBatch", "admission_error"]
 
 
 @dataclass
@@ -39,6 +39,22 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+
+def admission_error(prompt_len: int, max_tokens: int, max_model_len: int, capacity: int) -> str | None:
+    """Why a request of ``prompt_len`` tokens and up to ``max_tokens`` new ones can never run (None: it can)."""
+    if prompt_len < 1:
+        return "prompt must hold at least one token"
+    total = prompt_len + max_tokens
+    if prompt_len > max_model_len:
+        return f"the prompt ({prompt_len} tokens) exceeds the context limit of {max_model_len} tokens"
+    if total > max_model_len:
+        return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context limit of "
+                f"{max_model_len} tokens")
+    if total > capacity:
+        return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache "
+                f"({capacity} tokens)")
+    return None
 
 
 class Scheduler:
@@ -57,18 +73,9 @@ class Scheduler:
 
     def check_admissible(self, prompt_len: int, max_tokens: int) -> None:
         """ValueError for a request that could never run (the engine calls it before queueing)."""
-        if prompt_len < 1:
-            raise ValueError("prompt must hold at least one token")
-        total = prompt_len + max_tokens
-        if prompt_len > self.max_model_len:
-            raise ValueError(f"the prompt ({prompt_len} tokens) exceeds the context limit of {self.max_model_len} "
-                             f"tokens")
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-                             f"context limit of {self.max_model_len} tokens")
-        if total > self.capacity:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV "
-                             f"cache ({self.capacity} tokens)")
+        message = admission_error(prompt_len, max_tokens, self.max_model_len, self.capacity)
+        if message is not None:
+            raise ValueError(message)
 
     def add(self, request: Request) -> None:
         self.check_admissible(len(request.prompt_ids), request.params.max_tokens)

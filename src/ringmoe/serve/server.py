@@ -32,7 +32,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, EngineFailed, QueueFull
+from .engine_client import EngineClient, EngineFailed, QueueFull
 from .http_guard import ApiKeyMiddleware, guarded_protocol, read_json
 from .limits import ServerLimits
 from .metrics import ServerMetrics
@@ -75,13 +75,11 @@ class _Prepared:
 class _Frontend:
     """One app's request path: validation, prompt ids, submission, and the response (whole or streamed)."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMetrics,
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str, metrics: ServerMetrics,
                  default_max_tokens: int, limits: ServerLimits, tool_parser: str | None = None,
                  any_whitespace: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.default_max_tokens, self.limits = metrics, default_max_tokens, limits
-        self.scheduler = engine.engine.groups[0]
-        self.vocab = engine.engine.model.config.vocab_size
         self.templates: TemplateWorkers | None = None
         self.pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="ringmoe-tokenize")
         self.closing = asyncio.Event()  # set when the grace period after SIGTERM is over
@@ -91,6 +89,7 @@ class _Frontend:
         self.stats = ThroughputLog(limits.log_stats_s)
 
     async def start(self) -> None:
+        await self.engine.ready()
         if self.tokenizer is not None:
             if self.tokenizer.chat_template:
                 self.templates = await TemplateWorkers(
@@ -114,7 +113,15 @@ class _Frontend:
     # -- the prompt -------------------------------------------------------------------------------
     @property
     def context(self) -> int:
-        return min(self.scheduler.max_model_len, self.scheduler.capacity)
+        return self.engine.info.context
+
+    @property
+    def vocab(self) -> int:
+        return self.engine.info.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
 
     async def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
         if self.tokenizer is None:
@@ -200,7 +207,7 @@ class _Frontend:
             if self.tokenizer is None:
                 raise RequestError("structured outputs need the model's tokenizer", "response_format")
             try:
-                self.grammars = GrammarBackend(self.tokenizer, self.vocab, self.engine.engine.eos_ids,
+                self.grammars = GrammarBackend(self.tokenizer, self.vocab, self.engine.info.eos_ids,
                                                any_whitespace=self.any_whitespace)
             except ImportError:
                 raise RequestError("structured outputs need xgrammar (pip install xgrammar)", "response_format",
@@ -224,7 +231,7 @@ class _Frontend:
         params = sampling_params(body, max(1, min(self.default_max_tokens, self.context - longest)), grammar)
         for index, prompt in enumerate(prompts):
             try:
-                self.scheduler.check_admissible(len(prompt.ids), params.max_tokens)
+                self.engine.info.check_admissible(len(prompt.ids), params.max_tokens)
             except ValueError as error:
                 raise RequestError(str(error), "prompt" if len(prompts) == 1 else f"prompt.{index}") from None
         tools = self.tool_format if chat and self._tools(body) is not None else None
@@ -372,7 +379,7 @@ def _grammar_field(body) -> str:
     return "tool_choice"
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMetrics,
+def build_app(engine: EngineClient, tokenizer, model_name: str, metrics: ServerMetrics,
               default_max_tokens: int = 256, limits: ServerLimits | None = None,
               api_key: str | None = None, tool_parser: str | None = None, any_whitespace: bool = False,
               allowed_origins: tuple[str, ...] = (), throughput: ThroughputLog | None = None) -> FastAPI:
@@ -446,14 +453,16 @@ def _status_routes(app: FastAPI, front: _Frontend) -> None:
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.refresh(engine.engine)
+        if engine.alive:
+            metrics.refresh(await engine.status())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/stats")
     async def stats():
         """Per rank since the start: requests of its ep group, peak KV blocks, expert rows, ring seconds."""
-        return {"ranks": [dict(row) for row in engine.engine.rank_report],
-                "block_size": engine.engine.runner.block_size}
+        if not engine.alive:
+            return _error(503, f"the engine stopped: {engine.failed!r}", kind="server_error")
+        return {"ranks": (await engine.status()).ranks, "block_size": engine.info.block_size}
 
     @app.get("/version")
     async def version():
@@ -468,7 +477,7 @@ def _model_routes(app: FastAPI, front: _Frontend) -> None:
 
     def card() -> dict:
         return {"id": front.model_name, "object": "model", "created": 0, "owned_by": "ringmoe",
-                "root": front.model_name, "max_model_len": front.scheduler.max_model_len}
+                "root": front.model_name, "max_model_len": front.max_model_len}
 
     @app.get("/v1/models")
     async def models():
@@ -503,7 +512,7 @@ def _generation_routes(app: FastAPI, front: _Frontend) -> None:
             ids = await front._chat_ids(chat)
         else:
             ids = await front._encode(body.prompt, body.add_special_tokens, "prompt")
-        return {"count": len(ids), "max_model_len": front.scheduler.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -528,8 +537,10 @@ def _raise_open_files_limit() -> None:
         pass
 
 
-def serve_app(app: FastAPI, host: str, port: int, limits: ServerLimits | None = None, on_started=None) -> int:
-    """Run the app with uvicorn until SIGTERM/SIGINT (in-flight requests drain first); its exit code."""
+def serve_app(app: FastAPI, host: str, port: int, limits: ServerLimits | None = None, on_started=None,
+              sock=None) -> int:
+    """Run the app with uvicorn until SIGTERM/SIGINT (in-flight requests drain first); its exit code.  sock: a
+    listening socket to serve on (several front-end processes share one) instead of binding host:port."""
     import signal
 
     import uvicorn
@@ -559,7 +570,7 @@ def serve_app(app: FastAPI, host: str, port: int, limits: ServerLimits | None = 
     app.state.server, app.state.on_started = server, on_started
     _raise_open_files_limit()
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return getattr(app.state, "exit_code", 0)

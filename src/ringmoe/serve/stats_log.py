@@ -46,7 +46,7 @@ class ThroughputLog:
                 last = now
                 continue  # idle: no line
             seconds = max(now - last, 1e-9)
-            stats = self.engine.engine.last_stats
+            stats = self.engine.last_stats
             with contextlib.suppress(ZeroDivisionError):
                 log.info("avg prompt throughput: %.1f tokens/s, avg generation throughput: %.1f tokens/s, running: %d "
                          "reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",

@@ -69,6 +69,10 @@ class CompiledGrammar:
 
         return Matcher(xgrammar.GrammarMatcher(self._compiled))
 
+    def serialized(self) -> str:
+        """xgrammar's JSON of the compiled grammar (``GrammarBackend.load`` reads it back in another process)."""
+        return self._compiled.serialize_json()
+
     def __repr__(self) -> str:
         return f"CompiledGrammar({self.spec.kind})"
 
@@ -94,6 +98,7 @@ class GrammarBackend:
             raise ValueError("structured outputs need an end-of-sequence id (generation_config.json eos_token_id)")
         info = xgrammar.TokenizerInfo(encoded, metadata["vocab_type"], vocab_size=vocab_size, stop_token_ids=stop_ids,
                                       add_prefix_space=metadata["add_prefix_space"])
+        self.tokenizer_info = info
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=2)
         self.any_whitespace, self.cache_size = any_whitespace, cache_size
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
@@ -111,11 +116,30 @@ class GrammarBackend:
             raise
         except Exception as error:  # xgrammar's own errors (RuntimeError, InvalidJSONError...) name the problem
             raise ValueError(f"invalid {spec.kind}: {str(error).splitlines()[0] if str(error) else error!r}") from None
+        self._remember(spec, compiled)
+        return compiled
+
+    def load(self, spec: GrammarSpec, serialized: str) -> CompiledGrammar:
+        """A grammar another process compiled against the same vocabulary (``CompiledGrammar.serialized``),
+        kept in the same cache; ValueError when the JSON is not a compiled grammar."""
+        import xgrammar
+
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        try:
+            compiled = CompiledGrammar(spec, xgrammar.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info))
+        except Exception as error:
+            raise ValueError(f"invalid compiled {spec.kind} grammar: {error}") from None
+        self._remember(spec, compiled)
+        return compiled
+
+    def _remember(self, spec: GrammarSpec, compiled: CompiledGrammar) -> None:
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return compiled
 
     def _compile(self, spec: GrammarSpec):
         import xgrammar
