@@ -8,6 +8,10 @@ thread of the HTTP process, a core left to the HTTP loop), ringmoe-api2 (--api-s
 ringmoe cp=1 x ep=2 (2 ranks x 1 thread: the mesh that fits 2 cores), ringmoe-eager (--enforce-eager:
 no compiled decode graph), transformers serve (CPU, continuous batching) with 2 and with 1 intra-op
 thread (each load compares against the peer's better one).
+The servers take turns, ``--rounds`` times (each turn: start, warm up, every load, stop; one at a time:
+transformers serve sizes its cache to the machine's memory): this machine's speed drifts by up to 2x over
+minutes, and turns expose every server to the same drift.  Each load's median run is kept
+(``rounds_output_tokens_per_s`` lists every round's).
 Load (``ringmoe bench serve``'s client): streaming /v1/completions, prompts of 32..256 words,
 ``--new`` tokens at most (no ignore_eos: transformers serve rejects it; the random model rarely ends
 early, and the output tokens counted are the ones streamed), at concurrency 8 / 32 / 64 with all
@@ -16,7 +20,7 @@ serve.png; the rate a server sustains within the TTFT SLO is the highest complet
 among its runs whose p99 TTFT is under it.
 
     python benchmarks/bench_serve.py [--prompts 64] [--new 32] [--concurrency 8,32,64] [--rates 2,4,8,16]
-        [--slo 2.0] [--servers ringmoe,ringmoe-eager,...] [--name serve]
+        [--slo 2.0] [--rounds 3] [--servers ringmoe,ringmoe-eager,...] [--name serve]
 """
 
 from __future__ import annotations
@@ -78,6 +82,23 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def run_load(server: tuple[str, str], kind: str, rate: float, concurrency: int, args, round_: int) -> dict:
+    url, model = server
+    config = BenchConfig(url, model, num_prompts=args.prompts, rate=rate, concurrency=concurrency,
+                         input_len=(32, 256), output_len=(args.new, args.new), timeout=600)
+    result = run_benchmark(config) | {"server": kind, "round": round_}
+    print(f"{kind} round {round_} rate={result['rate']} c={concurrency}: {result['output_tokens_per_s']:.1f} tok/s, "
+          f"TTFT p50 {result['ttft_s']['p50']:.2f} p99 {result['ttft_s']['p99']:.2f} s, "
+          f"TPOT p50 {result['tpot_s']['p50'] * 1e3:.0f} ms, errors {result['errors']}", flush=True)
+    return result
+
+
+def median_run(rounds: list[dict]) -> dict:
+    """The run of the median throughput among a server's rounds at one load, with every round's throughput."""
+    ranked = sorted(rounds, key=lambda r: r["output_tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"rounds_output_tokens_per_s": [r["output_tokens_per_s"] for r in rounds]}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=64)
@@ -85,30 +106,28 @@ def main():
     parser.add_argument("--concurrency", default="8,32,64")
     parser.add_argument("--rates", default="2,4,8,16")
     parser.add_argument("--slo", type=float, default=2.0, help="p99 TTFT target, seconds")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each server takes at each load (the median "
+                        "is reported; the machine's speed drifts over minutes)")
     parser.add_argument("--name", default="serve", help="results file name (benchmarks/results/NAME.json)")
     parser.add_argument("--servers", default="ringmoe,ringmoe-eager,ringmoe-ep2,transformers,transformers-1thread")
     args = parser.parse_args()
     checkpoint = build_demo_checkpoint(Path(tempfile.gettempdir()) / "ringmoe-bench-serve")
+    kinds = args.servers.split(",")
+    plans = [(math.inf, int(c)) for c in args.concurrency.split(",")]
+    plans += [(float(r), max(int(c) for c in args.concurrency.split(","))) for r in args.rates.split(",") if r]
     runs = []
-    for kind in args.servers.split(","):
-        proc, url, model = start(kind, checkpoint)
-        try:
-            # warm-up at the measured lengths (first long prefills allocate, and kernels pick their plans)
-            warm = BenchConfig(url, model, num_prompts=16, concurrency=8, input_len=(32, 256),
-                               output_len=(args.new, args.new), seed=99)
-            run_benchmark(warm)
-            plans = [(math.inf, int(c)) for c in args.concurrency.split(",")]
-            plans += [(float(r), max(int(c) for c in args.concurrency.split(","))) for r in args.rates.split(",") if r]
-            for rate, concurrency in plans:
-                config = BenchConfig(url, model, num_prompts=args.prompts, rate=rate, concurrency=concurrency,
-                                     input_len=(32, 256), output_len=(args.new, args.new), timeout=600)
-                result = run_benchmark(config) | {"server": kind}
-                runs.append(result)
-                print(f"{kind} rate={result['rate']} c={concurrency}: {result['output_tokens_per_s']:.1f} tok/s, "
-                      f"TTFT p50 {result['ttft_s']['p50']:.2f} p99 {result['ttft_s']['p99']:.2f} s, "
-                      f"TPOT p50 {result['tpot_s']['p50'] * 1e3:.0f} ms, errors {result['errors']}", flush=True)
-        finally:
-            stop(proc)
+    for round_ in range(args.rounds):  # every server in turn, round after round, so drift hits them all alike
+        for kind in kinds:
+            proc, url, model = start(kind, checkpoint)
+            try:
+                # warm-up at the measured lengths (first long prefills allocate, and kernels pick their plans)
+                run_benchmark(BenchConfig(url, model, num_prompts=16, concurrency=8, input_len=(32, 256),
+                                          output_len=(args.new, args.new), seed=99))
+                runs += [run_load((url, model), kind, rate, concurrency, args, round_) for rate, concurrency in plans]
+            finally:
+                stop(proc)
+    runs = [median_run([r for r in runs if (r["server"], r["rate"], r["concurrency"]) == key])
+            for key in dict.fromkeys((r["server"], r["rate"], r["concurrency"]) for r in runs)]
     summary = {}
     for kind in args.servers.split(","):
         mine = [r for r in runs if r["server"] == kind]

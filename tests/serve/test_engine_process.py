@@ -22,7 +22,7 @@ from ringmoe.serve.structured import GrammarBackend, GrammarSpec, grammar_masks
 from ringmoe.serve.wire import (decode, encode, output_from_wire, output_to_wire, params_from_wire, params_to_wire,
                                 stats_from_wire, stats_to_wire)
 
-from ..served import MODEL, Server, alive, children, descendants
+from ..served import MODEL, Server, alive, children, descendants, metric
 
 httpx = pytest.importorskip("httpx")
 
@@ -108,6 +108,15 @@ def test_two_api_servers_share_one_engine(served_checkpoint):
         assert [answers[i] for i in range(len(prompts))] == [o.text for o in offline]
         assert httpx.get(f"{s.url}/health").status_code == 200
         assert httpx.get(f"{s.url}/stats").json()["ranks"][0]["requests"] == len(prompts)
+        # /metrics sums both front ends (whichever answers): every request counted once, the engine's figures once
+        for _ in range(4):
+            assert metric(s.url, "ringmoe:request_success_total") == len(prompts)
+            assert metric(s.url, "ringmoe:time_to_first_token_seconds_count") == len(prompts)
+            assert metric(s.url, "ringmoe:generation_tokens_total") == 10 * len(prompts)
+            assert metric(s.url, "ringmoe:expert_tokens_total") > 0
+            assert metric(s.url, "ringmoe:num_requests_running") == 0
+        tokenized = [httpx.post(f"{s.url}/tokenize", json={"prompt": p}).json()["count"] for p in prompts]
+        assert metric(s.url, "ringmoe:prompt_tokens_total") == sum(tokenized)
     finally:
         code, err = s.stop()
     assert code == 0, err  # SIGTERM: both front ends drained, then the engine stopped
@@ -166,3 +175,20 @@ def test_a_killed_front_end_stops_the_engine(served_checkpoint):
         assert all(children(p) == [] for p in ranks if alive(p))
     finally:
         s.stop()
+
+
+def test_the_engine_in_the_server_process_serves_the_same_tokens(served_checkpoint):
+    """--engine-core thread (the fallback, and each rank's mode under torchrun): same answers, same routes."""
+    prompts = ["def add(a, b):", "print('hello"]
+    answers = {}
+    for mode in ("thread", "process"):
+        s = Server(served_checkpoint, 1, 1, "--engine-core", mode)
+        try:
+            assert (s.engine_process() is None) == (mode == "thread")
+            answers[mode] = [_greedy(s, p) for p in prompts]
+            assert metric(s.url, "ringmoe:generation_tokens_total") == 10 * len(prompts)
+            assert httpx.get(f"{s.url}/stats").json()["ranks"][0]["requests"] == len(prompts)
+        finally:
+            code, err = s.stop()
+        assert code == 0, err
+    assert answers["thread"] == answers["process"] and all(answers["thread"])

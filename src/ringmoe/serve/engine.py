@@ -72,6 +72,7 @@ class StepStats:
     ring_exposed_comm: float = 0.0
     dropped_tokens: int = 0
     prefix_query_tokens: int = 0
+    generated_tokens: int = 0  # new tokens the step's outputs carry (every request of every front end)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)  # this step's drafts and acceptances
 
 
@@ -330,6 +331,7 @@ class Engine:
             self.mtp.after_step(plan, reports)
         self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
         self.last_stats.speculation = self._step_spec
+        self.last_stats.generated_tokens = sum(len(out.new_token_ids) for out in outputs)
         self.num_preemptions += self.last_stats.preempted
         return outputs
 

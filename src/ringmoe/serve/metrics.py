@@ -8,6 +8,7 @@ imbalance, dropped tokens, and the exposed share of ring communication.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from .engine import StepStats
 from .request import RequestOutput
@@ -18,8 +19,15 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    """engine_figures: this front end records the engine's step figures (gauges, expert / ep / dropped / prefix /
+    speculation counters); every front end records its own requests (latencies, finish reasons, prompt and
+    generated tokens).  multiprocess_dir: the folder of prometheus_client's multiprocess mode (its
+    PROMETHEUS_MULTIPROC_DIR, set before this process imported prometheus_client): /metrics then sums every
+    front end's figures, and exactly one front end takes the engine's."""
+
+    def __init__(self, model_name: str, engine_figures: bool = True, multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry()
+        self.engine_figures, self.multiprocess_dir = engine_figures, multiprocess_dir
         r, labels = self.registry, ["model_name"]
         self.model = model_name
         self.success = Counter("ringmoe:request_success", "Finished requests by finish reason",
@@ -32,10 +40,11 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=r)
         self.queue = Histogram("ringmoe:request_queue_time_seconds", "Arrival to first scheduling", labels,
                                buckets=_LATENCY, registry=r)
-        self.running = Gauge("ringmoe:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("ringmoe:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.running = Gauge("ringmoe:num_requests_running", "Requests in the running batch", labels, registry=r, multiprocess_mode="max")
+        self.waiting = Gauge("ringmoe:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r,
+                             multiprocess_mode="max")
         self.kv_usage = Gauge("ringmoe:kv_cache_usage_perc", "Fraction of KV blocks in use (worst ep group)",
-                              labels, registry=r)
+                              labels, registry=r, multiprocess_mode="max")
         self.prefix_queries = Counter("ringmoe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)
         self.prefix_hits = Counter("ringmoe:prefix_cache_hits", "Prompt tokens served from the prefix cache",
@@ -50,11 +59,11 @@ class ServerMetrics:
         self.ep_rank_tokens = Counter("ringmoe:ep_rank_tokens", "Token assignments computed per ep rank",
                                       labels + ["ep_rank"], registry=r)
         self.ep_imbalance = Gauge("ringmoe:ep_rank_imbalance", "Max / mean assignments over ep ranks, last step",
-                                  labels, registry=r)
+                                  labels, registry=r, multiprocess_mode="max")
         self.dropped = Counter("ringmoe:dropped_tokens", "Tokens dropped by expert capacity", labels, registry=r)
         self.ring_exposed = Gauge("ringmoe:ring_exposed_comm_ratio",
                                   "Share of ring attention time blocked on K/V transfers, last ring step", labels,
-                                  registry=r)
+                                  registry=r, multiprocess_mode="max")
         # speculative decoding, vLLM's spec_decode counters
         self.spec_drafts = Counter("ringmoe:spec_decode_num_drafts", "Requests x steps that carried drafts", labels,
                                    registry=r)
@@ -68,7 +77,10 @@ class ServerMetrics:
         self._hits_seen = self._queries_seen = 0
 
     def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        if not self.engine_figures:
+            return
         m = self.model
+        self.generation_tokens.labels(m).inc(stats.generated_tokens)
         self.running.labels(m).set(stats.running)
         self.waiting.labels(m).set(stats.waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
@@ -93,7 +105,6 @@ class ServerMetrics:
         if queries > self._queries_seen:
             self.prefix_queries.labels(m).inc(queries - self._queries_seen)
         self._hits_seen, self._queries_seen = hits, queries
-        self.generation_tokens.labels(m).inc(sum(len(o.new_token_ids) for o in outputs))
         spec = stats.speculation
         if spec.num_drafts:
             self.spec_drafts.labels(m).inc(spec.num_drafts)
@@ -121,10 +132,16 @@ class ServerMetrics:
     def refresh(self, load) -> None:
         """Set the gauges from the engine's state now (an ``EngineLoad``: it may have changed since the last
         step, by aborts)."""
+        if not self.engine_figures:
+            return
         m = self.model
         self.running.labels(m).set(load.running)
         self.waiting.labels(m).set(load.waiting)
         self.kv_usage.labels(m).set(load.kv_usage)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        combined = CollectorRegistry()
+        MultiProcessCollector(combined, path=self.multiprocess_dir)
+        return generate_latest(combined)

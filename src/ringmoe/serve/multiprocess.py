@@ -53,15 +53,22 @@ def run_engine_processes(options: ServeOptions) -> int:
     me = os.getpid()
     engine = context.Process(target=_engine_main, args=(options, address, me), name="ringmoe-engine")
     frontends = []
+    # several front ends: prometheus_client's multiprocess mode sums their figures (each process reads the
+    # folder from its environment when it imports prometheus_client)
+    metrics = tempfile.mkdtemp(prefix="ringmoe-metrics-") if options.api_server_count > 1 else None
+    environment = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     signals = []
     handlers = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         engine.start()
+        if metrics is not None:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics
         for index in range(options.api_server_count):
             frontends.append(context.Process(target=_frontend_main, name=f"ringmoe-api-{index}",
-                                             args=(options, address, listener, index, engine.pid, me)))
+                                             args=(options, address, listener, index, engine.pid, me, metrics)))
             frontends[-1].start()
+        _restore("PROMETHEUS_MULTIPROC_DIR", environment)
         listener.close()  # the front ends hold their own descriptors of it
         return _watch(engine, frontends, signals)
     finally:
@@ -70,6 +77,16 @@ def run_engine_processes(options: ServeOptions) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         shutil.rmtree(folder, ignore_errors=True)
+        if metrics is not None:
+            shutil.rmtree(metrics, ignore_errors=True)
+            _restore("PROMETHEUS_MULTIPROC_DIR", environment)
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _watch(engine, frontends: list, signals: list) -> int:
@@ -168,13 +185,15 @@ def _serve_core(engine, options: ServeOptions, address: str) -> None:
 
 
 # -- a front-end process --------------------------------------------------------------------------
-def _frontend_main(options: ServeOptions, address: str, listener, index: int, engine_pid: int, parent: int) -> None:
+def _frontend_main(options: ServeOptions, address: str, listener, index: int, engine_pid: int, parent: int,
+                   metrics_dir: str | None) -> None:
     die_with_parent(parent)
     name_process(f"ringmoe-api-{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # sampling and the model live in the engine process
     tokenizer = Tokenizer(options.model) if (Path(options.model) / "tokenizer.json").is_file() else None
-    metrics, throughput, on_step = step_observers(options)
+    # one front end records the engine's step figures; each its own requests (summed by /metrics over them all)
+    metrics, throughput, on_step = step_observers(options, engine_figures=index == 0, multiprocess_dir=metrics_dir)
     app = None
 
     def failed(error):  # the engine is gone: the open requests got the error; stop serving, exit non-zero

@@ -190,9 +190,11 @@ def build_engine(options: ServeOptions, mesh):
 
 
 
-def step_observers(options: ServeOptions):
-    """The server's metrics, its throughput log line, and the hook that feeds both after every engine step."""
-    metrics, throughput = ServerMetrics(options.name), ThroughputLog(options.limits.log_stats_s)
+def step_observers(options: ServeOptions, engine_figures: bool = True, multiprocess_dir: str | None = None):
+    """The server's metrics (``ServerMetrics``' arguments), its throughput log line, and the hook that feeds both
+    after every engine step."""
+    metrics = ServerMetrics(options.name, engine_figures, multiprocess_dir)
+    throughput = ThroughputLog(options.limits.log_stats_s)
 
     def on_step(stats, outputs):
         metrics.on_step(stats, outputs)

@@ -25,8 +25,8 @@ class ThroughputLog:
 
     def on_step(self, stats, outputs) -> None:
         """Called by the engine thread after each step (``AsyncEngine(on_step=...)``)."""
-        self.generated_tokens += sum(len(out.new_token_ids) for out in outputs)
-        self.prompt_tokens += max(0, stats.batch_tokens - len(outputs))
+        self.generated_tokens += stats.generated_tokens
+        self.prompt_tokens += max(0, stats.batch_tokens - stats.num_sequences)
 
     def start(self, engine) -> None:
         self.engine = engine
