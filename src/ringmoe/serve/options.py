@@ -70,8 +70,9 @@ class ServeOptions:
     def threads_per_rank(self) -> int:
         """The cores shared out among the ranks; with the engine in the HTTP server's process (engine_core
         "thread") less one for the HTTP loop (busy OpenMP workers starve the event loop).  With the engine in a
-        process of its own it takes every core: measured on 2 cores, 2 engine threads beside the front-end
-        process serve one client 1.15x and four 1.3x faster than 1 (``bench_serve.py``)."""
+        process of its own it takes every core: measured on 2 cores with ``ringmoe bench serve`` on the demo
+        checkpoint, 2 engine threads beside the front-end process served one client 1.15x and four 1.3x faster
+        than 1."""
         if self.threads is not None:
             return self.threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
