@@ -90,6 +90,9 @@ def _greedy(server: Server, prompt: str) -> str:
 def test_two_api_servers_share_one_engine(served_checkpoint):
     s = Server(served_checkpoint, 1, 1, "--api-server-count", "2")
     try:
+        deadline = time.monotonic() + 60  # healthy once one front end answers: the other may still be starting
+        while len(s.frontends()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         frontends = s.frontends()
         assert len(frontends) == 2 and s.engine_process() is not None
         prompts = [f"def f{i}(x):" for i in range(12)]

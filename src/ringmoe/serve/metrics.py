@@ -40,7 +40,8 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=r)
         self.queue = Histogram("ringmoe:request_queue_time_seconds", "Arrival to first scheduling", labels,
                                buckets=_LATENCY, registry=r)
-        self.running = Gauge("ringmoe:num_requests_running", "Requests in the running batch", labels, registry=r, multiprocess_mode="max")
+        self.running = Gauge("ringmoe:num_requests_running", "Requests in the running batch", labels, registry=r,
+                             multiprocess_mode="max")
         self.waiting = Gauge("ringmoe:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r,
                              multiprocess_mode="max")
         self.kv_usage = Gauge("ringmoe:kv_cache_usage_perc", "Fraction of KV blocks in use (worst ep group)",
