@@ -1,6 +1,6 @@
 """`ringmoe serve --engine-core process`: the engine in one process, N HTTP front ends in others.
 
-Processes (all started with multiprocessing's spawn method; each dies with its parent):
+Processes (forked where the platform can, else spawned; each dies with its parent):
 
 - the supervisor (the command's own process) binds the HTTP port once, starts the rest, and watches them;
 - the engine process: the engine core loop (``engine_core.py``) on one rank, or, on a cp x ep mesh, the
@@ -46,7 +46,9 @@ def run_engine_processes(options: ServeOptions) -> int:
     """Serve with the engine and the front ends in processes of their own (options validated); the exit code."""
     import uvicorn
 
-    context = multiprocessing.get_context("spawn")
+    # fork: the children start at once, with this process's imports (it has run no torch op and started no
+    # thread: nothing that forking could break); spawn where fork does not exist
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     folder = tempfile.mkdtemp(prefix="ringmoe-serve-")  # mode 0700: only this user reaches the engine's socket
     address = f"ipc://{folder}/engine"
     listener = uvicorn.Config(None, host=options.host, port=options.port, log_level="warning").bind_socket()
@@ -149,6 +151,7 @@ def _stop(process, sig, wait_s: float) -> None:
 def _engine_main(options: ServeOptions, address: str, parent: int) -> None:
     die_with_parent(parent)
     name_process("ringmoe-engine")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the supervisor's handler (a forked child inherits it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides what a Ctrl-C does
     world = options.cp * options.ep
     try:
@@ -189,6 +192,7 @@ def _frontend_main(options: ServeOptions, address: str, listener, index: int, en
                    metrics_dir: str | None) -> None:
     die_with_parent(parent)
     name_process(f"ringmoe-api-{index}")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # sampling and the model live in the engine process
     tokenizer = Tokenizer(options.model) if (Path(options.model) / "tokenizer.json").is_file() else None
