@@ -7,7 +7,9 @@ imbalance, dropped tokens, and the exposed share of ring communication.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from .engine import StepStats
@@ -21,11 +23,16 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
 class ServerMetrics:
     """engine_figures: this front end records the engine's step figures (gauges, expert / ep / dropped / prefix /
     speculation counters); every front end records its own requests (latencies, finish reasons, prompt and
-    generated tokens).  multiprocess_dir: the folder of prometheus_client's multiprocess mode (its
-    PROMETHEUS_MULTIPROC_DIR, set before this process imported prometheus_client): /metrics then sums every
-    front end's figures, and exactly one front end takes the engine's."""
+    generated tokens).  multiprocess_dir: a folder for prometheus_client's multiprocess mode (every front end
+    keeps its values in files there): /metrics then sums every front end's figures, and exactly one front end
+    takes the engine's."""
 
     def __init__(self, model_name: str, engine_figures: bool = True, multiprocess_dir: str | None = None):
+        if multiprocess_dir is not None:
+            # every value from now on lives in a file of that folder (set here, not read from the environment at
+            # import: a forked front end imported prometheus_client before it knew the folder)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiprocess_dir
+            values.ValueClass = values.MultiProcessValue()
         self.registry = CollectorRegistry()
         self.engine_figures, self.multiprocess_dir = engine_figures, multiprocess_dir
         r, labels = self.registry, ["model_name"]

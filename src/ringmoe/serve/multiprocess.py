@@ -55,22 +55,17 @@ def run_engine_processes(options: ServeOptions) -> int:
     me = os.getpid()
     engine = context.Process(target=_engine_main, args=(options, address, me), name="ringmoe-engine")
     frontends = []
-    # several front ends: prometheus_client's multiprocess mode sums their figures (each process reads the
-    # folder from its environment when it imports prometheus_client)
+    # several front ends: prometheus_client's multiprocess mode sums their figures (kept in files there)
     metrics = tempfile.mkdtemp(prefix="ringmoe-metrics-") if options.api_server_count > 1 else None
-    environment = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     signals = []
     handlers = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         engine.start()
-        if metrics is not None:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics
         for index in range(options.api_server_count):
             frontends.append(context.Process(target=_frontend_main, name=f"ringmoe-api-{index}",
                                              args=(options, address, listener, index, engine.pid, me, metrics)))
             frontends[-1].start()
-        _restore("PROMETHEUS_MULTIPROC_DIR", environment)
         listener.close()  # the front ends hold their own descriptors of it
         return _watch(engine, frontends, signals)
     finally:
@@ -81,14 +76,6 @@ def run_engine_processes(options: ServeOptions) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         if metrics is not None:
             shutil.rmtree(metrics, ignore_errors=True)
-            _restore("PROMETHEUS_MULTIPROC_DIR", environment)
-
-
-def _restore(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def _watch(engine, frontends: list, signals: list) -> int:
