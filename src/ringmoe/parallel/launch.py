@@ -89,17 +89,15 @@ def name_process(name: str) -> None:
 
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state not in ("Z", "X")
+    if Path("/proc/self/stat").exists():
+        return watchdog.process_state(pid) not in (None, "Z", "X")
+    try:  # no /proc: a signal 0 finds the process (a zombie too)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def die_with_parent(parent_pid: int) -> None:

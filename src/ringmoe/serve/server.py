@@ -59,6 +59,10 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
+def _engine_stopped(engine) -> JSONResponse:
+    return _error(503, f"the engine stopped: {engine.failed!r}", kind="server_error")
+
+
 def _sse(payload) -> str:
     return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
 
@@ -448,7 +452,7 @@ def _status_routes(app: FastAPI, front: _Frontend) -> None:
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return _error(503, f"the engine stopped: {engine.failed!r}", kind="server_error")
+            return _engine_stopped(engine)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -461,7 +465,7 @@ def _status_routes(app: FastAPI, front: _Frontend) -> None:
     async def stats():
         """Per rank since the start: requests of its ep group, peak KV blocks, expert rows, ring seconds."""
         if not engine.alive:
-            return _error(503, f"the engine stopped: {engine.failed!r}", kind="server_error")
+            return _engine_stopped(engine)
         return {"ranks": (await engine.status()).ranks, "block_size": engine.info.block_size}
 
     @app.get("/version")

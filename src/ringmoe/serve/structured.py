@@ -106,10 +106,9 @@ class GrammarBackend:
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar of ``spec`` (from the cache when seen before); ValueError when it is invalid."""
-        with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
+        cached = self._cached(spec)
+        if cached is not None:
+            return cached
         try:
             compiled = CompiledGrammar(spec, self._compile(spec))
         except ValueError:
@@ -124,16 +123,22 @@ class GrammarBackend:
         kept in the same cache; ValueError when the JSON is not a compiled grammar."""
         import xgrammar
 
-        with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
+        cached = self._cached(spec)
+        if cached is not None:
+            return cached
         try:
             compiled = CompiledGrammar(spec, xgrammar.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info))
         except Exception as error:
             raise ValueError(f"invalid compiled {spec.kind} grammar: {error}") from None
         self._remember(spec, compiled)
         return compiled
+
+    def _cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        return None
 
     def _remember(self, spec: GrammarSpec, compiled: CompiledGrammar) -> None:
         with self._lock:
