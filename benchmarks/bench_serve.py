@@ -12,9 +12,10 @@ The servers take turns, ``--rounds`` times (each turn: start, warm up, every loa
 transformers serve sizes its cache to the machine's memory): this machine's speed drifts by up to 2x over
 minutes, and turns expose every server to the same drift.  Each load's median run is kept
 (``rounds_output_tokens_per_s`` lists every round's).
-Load (``ringmoe bench serve``'s client): streaming /v1/completions, prompts of 32..256 words,
-``--new`` tokens at most (no ignore_eos: transformers serve rejects it; the random model rarely ends
-early, and the output tokens counted are the ones streamed), at concurrency 8 / 32 / 64 with all
+Load (``ringmoe bench serve``'s client): streaming /v1/completions, prompts of 32..256 tokens of the
+checkpoint's tokenizer (counted by the client: every server gets the same texts), ``--new`` tokens at most
+(no ignore_eos: transformers serve rejects it; the random model rarely ends early, and the output tokens
+counted are the ones streamed), at concurrency 8 / 32 / 64 with all
 requests at once, then Poisson rates at concurrency 64.  Writes benchmarks/results/serve.json and
 serve.png; the rate a server sustains within the TTFT SLO is the highest completed request rate
 among its runs whose p99 TTFT is under it.
@@ -82,10 +83,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_load(server: tuple[str, str], kind: str, rate: float, concurrency: int, args, round_: int) -> dict:
+def run_load(server: tuple[str, str], kind: str, rate: float, concurrency: int, args, round_: int,
+             checkpoint: Path) -> dict:
     url, model = server
+    # prompt lengths in the checkpoint's own tokens, counted here: every server gets the same texts
     config = BenchConfig(url, model, num_prompts=args.prompts, rate=rate, concurrency=concurrency,
-                         input_len=(32, 256), output_len=(args.new, args.new), timeout=600)
+                         input_len=(32, 256), output_len=(args.new, args.new), timeout=600,
+                         tokenizer=str(checkpoint))
     result = run_benchmark(config) | {"server": kind, "round": round_}
     print(f"{kind} round {round_} rate={result['rate']} c={concurrency}: {result['output_tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {result['ttft_s']['p50']:.2f} p99 {result['ttft_s']['p99']:.2f} s, "
@@ -122,8 +126,9 @@ def main():
             try:
                 # warm-up at the measured lengths (first long prefills allocate, and kernels pick their plans)
                 run_benchmark(BenchConfig(url, model, num_prompts=16, concurrency=8, input_len=(32, 256),
-                                          output_len=(args.new, args.new), seed=99))
-                runs += [run_load((url, model), kind, rate, concurrency, args, round_) for rate, concurrency in plans]
+                                          output_len=(args.new, args.new), seed=99, tokenizer=str(checkpoint)))
+                runs += [run_load((url, model), kind, rate, concurrency, args, round_, checkpoint)
+                         for rate, concurrency in plans]
             finally:
                 stop(proc)
     runs = [median_run([r for r in runs if (r["server"], r["rate"], r["concurrency"]) == key])

@@ -68,13 +68,29 @@ def test_static_step_equals_eager_for_every_family(family):
         _assert_same(eager, static, atol=1e-6)
 
 
-def test_grouped_experts_outside_the_graph_equal_eager():
-    """From ``dense_below`` tokens the experts run as sorted GEMMs outside the graph."""
+@pytest.mark.parametrize("form", ["dense", "grouped"])
+def test_every_expert_form_equals_eager(form):
+    """The experts' three forms of ``forward_static`` (the gathered one is the default at these sizes): every
+    expert on every token (from ``gathered_below`` assignments), and from ``dense_below`` tokens the sorted
+    GEMMs outside the graph."""
     model = _model("qwen2-moe-tiny")
     for _, layer in model.moe_layers():
-        layer.mlp.dense_below = 2
+        layer.mlp.gathered_below = 1
+        if form == "grouped":
+            layer.mlp.dense_below = 2
     prompts = _prompts(5, seed=11)
     _assert_same(_run(model, "off", prompts), _run(model, "static", prompts), atol=1e-6)
+
+
+def test_the_lm_head_is_stored_input_major_on_cpus():
+    """The runner keeps the LM head's weight transposed in memory: same parameter, values and shape, strides
+    (1, vocab) (the equality tests above run with it)."""
+    model = _model("tiny")
+    before = model.lm_head.weight.detach().clone()
+    prompts = _prompts(2, seed=12)
+    _run(model, "static", prompts)
+    weight = model.lm_head.weight
+    assert weight.stride() == (1, weight.shape[0]) and torch.equal(weight, before)
 
 
 @pytest.mark.parametrize("family", ["tiny", pytest.param("gpt-oss-tiny", marks=pytest.mark.slow)])

@@ -97,6 +97,10 @@ class MoELayer(nn.Module):
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
         self.dense_below = 32  # forward_static: from this many tokens, the sorted GEMMs (bench_decode.py)
+        # forward_static: below this many token-expert assignments, each reads its expert's weights (measured
+        # with 8 and 16 experts on 2 CPU threads: up to ~3-4 x num_experts assignments this beats every expert
+        # on every token, whose batched GEMMs of a few rows run far below the machine's rate)
+        self.gathered_below = 4 * num_experts
         self.op_key = register_layer(self)  # how a compiled graph's ``grouped_experts`` finds this layer
 
     def _place_replicas(self, replicas: ReplicaPlan, capacity_factor: float | None) -> None:
@@ -168,23 +172,23 @@ class MoELayer(nn.Module):
         """The same function as ``forward`` in fixed-shape tensor ops (no host synchronisation, no shape that
         depends on the routing): what a compiled decode step runs.  x (T, H) -> (y (T, H), the routing).
 
-        Few assignments (T * top_k < num_experts): each assignment's expert weights are gathered and applied
-        as a batch of matrix-vector products (the weights of the experts in use are read, as in ``forward``).
-        Up to ``dense_below`` tokens (experts whose ``dense_decode`` is False, e.g. quantized ones, take the
+        Few assignments (T * top_k < ``gathered_below``, 4 x num_experts): each assignment's expert weights are
+        applied as a matrix-vector product where they lie (the experts in use are read, as in ``forward``).  Then
+        up to ``dense_below`` tokens (experts whose ``dense_decode`` is False, e.g. quantized ones, take the
         gathered products there too: compiled, each chosen expert is dequantized inside its product, where the
-        dense form would dequantize every expert every step): every expert runs on every token and the outputs are summed with the
-        combine weights, zero for the experts a token did not pick (num_experts / top_k times the
-        arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
+        dense form would dequantize every expert every step): every expert runs on every token and the outputs
+        are summed with the combine weights, zero for the experts a token did not pick (num_experts / top_k times
+        the arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
         sorted per-expert GEMMs of ``forward`` as one opaque operator of the graph (``grouped_op``: their split
-        depends on the routing, which a traced graph cannot express), where the dense form's extra arithmetic would
-        cost more.  Dropless
+        depends on the routing, which a traced graph cannot express), where the dense form's extra arithmetic
+        would cost more.  Dropless
         and local only (``static_ready``); ``record`` turns the routing of the real rows into ``last_stats``."""
         if not torch.compiler.is_compiling():
             self.register_op()
         routing = self.router(x)
         tokens, k = routing.topk_idx.shape
         experts = self.experts
-        if tokens * k < self.num_experts or (not experts.dense_decode and tokens < self.dense_below):
+        if tokens * k < self.gathered_below or (not experts.dense_decode and tokens < self.dense_below):
             # matrix-vector products written as multiply-and-sum: compiled, each is one kernel that reads the
             # chosen expert's weights where they lie (a gather then a GEMM would copy them first)
             chosen = routing.topk_idx.reshape(-1)

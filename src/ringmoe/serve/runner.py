@@ -65,6 +65,20 @@ class WorkItem:
     keep_hidden: bool = False  # a ring item whose rows each rank keeps for the MTP pass after the step
 
 
+def store_head_input_major(model: MoETransformer) -> None:
+    """Keep the LM head's weight (vocab, hidden) in memory as its transpose (hidden, vocab) is laid out: same
+    values, shape and parameter, strides (1, vocab).  A step computes logits for a few rows at a time (one per
+    running request), and a CPU GEMM of few rows streams a (hidden, vocab) operand along its rows much faster
+    than it takes the dot products of a (vocab, hidden) one: a batch-1 head 138 -> 84 us, batch 8 282 -> 149 us
+    with this machine's MKL on 2 threads (a prompt's many rows run alike either way).  On CPUs only, before the
+    decode graph is compiled (its code assumes the strides it was traced with); a tied embedding shares the
+    layout (its lookups read strided rows: a few per step)."""
+    weight = model.lm_head.weight
+    if weight.dim() == 2 and weight.stride(0) != 1:
+        with torch.no_grad():
+            weight.data = weight.data.t().contiguous().t()
+
+
 class ModelRunner:
     def __init__(self, model: MoETransformer, num_blocks: int, block_size: int, backend: str = "auto",
                  deterministic: bool = False, decode_graph: str = "off", kv_cache_dtype: str = "auto"):
@@ -77,6 +91,8 @@ class ModelRunner:
         config = model.config
         param = model.embed_tokens.weight
         self.model, self.block_size, self.backend = model.eval(), block_size, backend
+        if param.device.type == "cpu":
+            store_head_input_major(model)
         self.deterministic = deterministic
         self.mesh, self.layout = model.mesh, model.layout
         self.latent = config.mla  # MLA: the cache holds each token's latent and RoPE key, once (K = V)
