@@ -26,8 +26,10 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _run(model, mode: str, prompts, new: int = 12, **engine_options):
+def _run(model, mode: str, prompts, new: int = 12, pads: bool | None = None, **engine_options):
     engine = Engine(model, decode_graph=mode, return_logits=True, **engine_options)
+    if pads is not None:  # batches padded to buckets, as on a GPU (a CPU runs each step's own row count)
+        engine.runner.decode_graph.pads = pads
     logits: dict[str, list] = {}
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
@@ -66,6 +68,29 @@ def test_static_step_equals_eager_for_every_family(family):
         static = _run(model, "static", prompts)
         assert static[2] > 0 and eager[2] == 0
         _assert_same(eager, static, atol=1e-6)
+
+
+def test_padded_buckets_equal_eager():
+    """Batches padded to buckets (what a GPU runs: 3 rows as 4, 5 as 8; the padding rows write the scratch block
+    only) compute the eager step's tokens and logits; so does the CPU's unpadded step (the default)."""
+    model = _model("tiny")
+    prompts = _prompts(5, seed=13)
+    eager = _run(model, "off", prompts)
+    _assert_same(eager, _run(model, "static", prompts, pads=True), atol=1e-6)
+    _assert_same(eager, _run(model, "static", prompts, pads=False), atol=1e-6)
+
+
+def test_warm_up_covers_each_side_of_every_expert_form():
+    """Without padding the warm-up also runs the sizes where the experts' form switches."""
+    model = _model("tiny", torch.float32)
+    engine = Engine(model, decode_graph="static")
+    graph = engine.runner.decode_graph
+    block = graph.moe_blocks[0]
+    edges = {-(-block.gathered_below // block.top_k), block.dense_below}
+    sizes = graph.warm_up_sizes(64)
+    assert all({edge - 1, edge} <= set(sizes) for edge in edges) and {1, 2, 4, 8, 16, 32, 64} <= set(sizes)
+    graph.pads = True
+    assert graph.warm_up_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
 @pytest.mark.parametrize("form", ["dense", "grouped"])

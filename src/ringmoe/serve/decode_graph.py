@@ -4,9 +4,11 @@ A step whose every item is one new token of a running request (the steady state 
 from its sizes, always the same computation.  ``DecodeGraph`` turns it into tensors and runs the model's
 fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
 
-- the batch is padded to a bucket size (1, 2, 4, 8, ... ``max_num_seqs``) and each row's block table to a
-  power-of-two width, so the graph meets a handful of shapes; padding rows decode token 0 at position 0
-  into the runner's scratch block (a block the block manager never hands out) and are dropped after;
+- each row's block table is padded to a power-of-two width, and on a GPU the batch to a bucket size (1, 2, 4,
+  8, ... ``max_num_seqs``: CUDA graphs record one launch per shape); padding rows decode token 0 at position 0
+  into the runner's scratch block (a block the block manager never hands out) and are dropped after.  On a
+  CPU a step runs its own row count (``pads`` False): the compiled code takes the batch as a symbolic size, so
+  every count of a range reuses one graph, and a batch of 20 padded to 32 would compute 60% more;
 - the paged attention (``paged_decode``: blocks gathered by table, keys past a row's context masked, the
   row's own new key merged by the online softmax) is tensor ops inside the graph, as are the router and
   the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph
@@ -109,6 +111,7 @@ class DecodeGraph:
     def __init__(self, runner, compile: bool = True):
         self.runner = runner
         self.compiled = compile
+        self.pads = runner.device.type == "cuda"  # batches padded to buckets (see the module's docstring)
         self.moe_blocks = [layer.mlp for _, layer in runner.model.moe_layers()]
         for block in self.moe_blocks:  # the experts' operator finds these layers (not a copy's)
             block.register_op()
@@ -127,7 +130,7 @@ class DecodeGraph:
         into the scratch block only: no request's cache is touched."""
         runner, start = self.runner, time.perf_counter()
         scratch = runner.scratch_block
-        for rows in sorted({bucket(n) for n in range(1, max_rows + 1)}):
+        for rows in self.warm_up_sizes(max_rows):
             zeros = torch.zeros(rows, dtype=torch.long, device=runner.device)
             # a width no bucket of rows has: torch.compile would otherwise take the two sizes for one symbol
             # (duck sizing) and recompile at the first step where they differ
@@ -137,6 +140,16 @@ class DecodeGraph:
                     torch.eye(rows, dtype=torch.bool, device=runner.device), runner.k_cache, runner.v_cache,
                     runner.kv_scales)
         return time.perf_counter() - start
+
+    def warm_up_sizes(self, max_rows: int) -> list[int]:
+        """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
+        between the experts' forms (``MoELayer.forward_static``), so no step meets a graph not yet compiled."""
+        sizes = {bucket(n) for n in range(1, max_rows + 1)}
+        if not self.pads:
+            for block in self.moe_blocks:
+                for edge in (-(-block.gathered_below // block.top_k), block.dense_below):
+                    sizes |= {edge - 1, edge}
+        return sorted(size for size in sizes if 1 <= size <= max_rows)
 
     def _identity(self, rows: int) -> torch.Tensor:
         """(rows, rows) bool identity on the runner's device, made once per bucket."""
@@ -159,7 +172,7 @@ class DecodeGraph:
         block_size, scratch = runner.block_size, runner.scratch_block
         # one row per token: (item index, position)
         owners = [(i, item.start + j) for i, item in enumerate(items) for j in range(len(item.token_ids))]
-        rows = bucket(len(owners))
+        rows = bucket(len(owners)) if self.pads else len(owners)
         pad = rows - len(owners)
         contexts = [position + 1 for _, position in owners]
         width = max(MIN_WIDTH, bucket(max(-(-c // block_size) for c in contexts)))
