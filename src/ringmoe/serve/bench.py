@@ -2,7 +2,8 @@
 
 Requests arrive as a Poisson process of ``rate`` per second (``inf``: all at once), at most
 ``concurrency`` in flight; each streams a /v1/completions answer.  Per request: time to first token
-(TTFT), inter-token latencies (ITL, between streamed chunks), time per output token after the first
+(TTFT: to the first chunk with a choice, text or not, as vLLM's benchmark counts it), inter-token
+latencies (ITL, between streamed chunks), time per output token after the first
 (TPOT) and end-to-end latency; per run: output and total tokens per second, percentiles, errors.
 Prompt lengths are in tokens of the served tokenizer: ``tokenizer`` (a checkpoint folder) when given,
 else the server's own ``/tokenize`` (ringmoe and vLLM have it): a stream of random words is tokenized
@@ -116,15 +117,17 @@ async def _one(client, config: BenchConfig, prompt: str, max_tokens: int) -> Req
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                # vLLM's rule: the first chunk with a choice is the first token, even with no text (a server holds
+                # back the bytes of a character not yet complete; a special token has none)
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if choices:
                     now = time.perf_counter()
                     if last is None:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
                     last = now
-                    chunks += 1
+                    chunks += bool(choices[0].get("text"))
     except Exception as error:  # a refused connection, a timeout: counted as an error
         result.error = f"{type(error).__name__}: {error}"
         return result
@@ -132,7 +135,7 @@ async def _one(client, config: BenchConfig, prompt: str, max_tokens: int) -> Req
     result.output_tokens = result.output_tokens or chunks
     result.ok = last is not None
     if not result.ok:
-        result.error = "no tokens streamed"
+        result.error = "no choice streamed"
     return result
 
 
