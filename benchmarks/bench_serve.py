@@ -84,12 +84,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_load(server: tuple[str, str], kind: str, rate: float, concurrency: int, args, round_: int,
-             checkpoint: Path) -> dict:
+             checkpoint: Path, seed: int) -> dict:
     url, model = server
-    # prompt lengths in the checkpoint's own tokens, counted here: every server gets the same texts
+    # prompt lengths in the checkpoint's own tokens, counted here: every server gets the same texts; each load of
+    # a server's session its own prompts (``seed``), so none is answered from the prefix cache of an earlier load
     config = BenchConfig(url, model, num_prompts=args.prompts, rate=rate, concurrency=concurrency,
                          input_len=(32, 256), output_len=(args.new, args.new), timeout=600,
-                         tokenizer=str(checkpoint))
+                         tokenizer=str(checkpoint), seed=seed)
     result = run_benchmark(config) | {"server": kind, "round": round_}
     print(f"{kind} round {round_} rate={result['rate']} c={concurrency}: {result['output_tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {result['ttft_s']['p50']:.2f} p99 {result['ttft_s']['p99']:.2f} s, "
@@ -127,8 +128,8 @@ def main():
                 # warm-up at the measured lengths (first long prefills allocate, and kernels pick their plans)
                 run_benchmark(BenchConfig(url, model, num_prompts=16, concurrency=8, input_len=(32, 256),
                                           output_len=(args.new, args.new), seed=99, tokenizer=str(checkpoint)))
-                runs += [run_load((url, model), kind, rate, concurrency, args, round_, checkpoint)
-                         for rate, concurrency in plans]
+                runs += [run_load((url, model), kind, rate, concurrency, args, round_, checkpoint, seed)
+                         for seed, (rate, concurrency) in enumerate(plans)]
             finally:
                 stop(proc)
     runs = [median_run([r for r in runs if (r["server"], r["rate"], r["concurrency"]) == key])
