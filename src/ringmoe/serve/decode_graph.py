@@ -175,10 +175,12 @@ class DecodeGraph:
         rows = bucket(len(owners)) if self.pads else len(owners)
         pad = rows - len(owners)
         contexts = [position + 1 for _, position in owners]
-        width = max(MIN_WIDTH, bucket(max(-(-c // block_size) for c in contexts)))
+        # a row reads from the cache only the keys before its item (the item's own rows join as new keys)
+        cached_blocks = [-(-items[i].start // block_size) for i, _ in owners]
+        width = max(MIN_WIDTH, bucket(max(cached_blocks)))
         table_rows = []
-        for (i, _), context in zip(owners, contexts):
-            used = items[i].tables[0][: -(-context // block_size)]
+        for (i, _), blocks in zip(owners, cached_blocks):
+            used = items[i].tables[0][:blocks]
             table_rows.append(used + [scratch] * (width - len(used)))
         table_rows += [[scratch] * width] * pad
         tables = torch.tensor(table_rows, dtype=torch.long).clamp_(min=0)  # -1: a block outside the window
