@@ -87,6 +87,7 @@ def test_warm_up_covers_each_side_of_every_expert_form():
     graph = engine.runner.decode_graph
     block = graph.moe_blocks[0]
     edges = {-(-block.gathered_below // block.top_k), block.dense_below}
+    assert set(block.static_form_edges()) == edges
     sizes = graph.warm_up_sizes(64)
     assert all({edge - 1, edge} <= set(sizes) for edge in edges) and {1, 2, 4, 8, 16, 32, 64} <= set(sizes)
     graph.pads = True

@@ -168,6 +168,11 @@ class MoELayer(nn.Module):
         """The layer can run ``forward_static``: dropless, every expert local."""
         return self.capacity_factor is None and self.ep_size == 1
 
+    def static_form_edges(self) -> tuple[int, int]:
+        """The token counts from which ``forward_static`` changes form: the first past the gathered products, and
+        ``dense_below`` (a compiled step is traced once per form)."""
+        return -(-self.gathered_below // self.top_k), self.dense_below
+
     def forward_static(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """The same function as ``forward`` in fixed-shape tensor ops (no host synchronisation, no shape that
         depends on the routing): what a compiled decode step runs.  x (T, H) -> (y (T, H), the routing).

@@ -147,7 +147,7 @@ class DecodeGraph:
         sizes = {bucket(n) for n in range(1, max_rows + 1)}
         if not self.pads:
             for block in self.moe_blocks:
-                for edge in (-(-block.gathered_below // block.top_k), block.dense_below):
+                for edge in block.static_form_edges():
                     sizes |= {edge - 1, edge}
         return sorted(size for size in sizes if 1 <= size <= max_rows)
 
