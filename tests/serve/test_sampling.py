@@ -149,3 +149,18 @@ def test_a_plain_batch_picks_what_each_row_picks_alone(seed):
         for row, (p, choice) in enumerate(zip(params[:-1], batch)):
             single = next_token(logits[row], p, [1, 2], [3], alone[row])
             assert (choice.token, choice.logprob) == (single.token, single.logprob)
+
+
+def test_a_plain_batch_breaks_ties_and_reads_infinities_as_argmax_does():
+    """Rows whose maximum repeats take its first index (torch.argmax's rule); a row with +inf ends its request
+    (None), a row of -inf with one finite logit takes that one."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 64, generator=gen)
+    logits[0, [9, 3, 40]] = 5.0
+    logits[1, [60, 61]] = 7.5
+    logits[2, 11] = float("inf")
+    logits[3] = float("-inf")
+    logits[3, 17] = -2.0
+    batch = plain_batch(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    assert [c.token if c is not None else None for c in batch] == [3, 60, None, 17, int(torch.argmax(logits[4]))]
+    assert batch[3].logprob == 0.0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from ..attention.paged import paged_decode
 from ..float8 import decode_e4m3, encode_e4m3
@@ -66,16 +67,17 @@ def compile_options(device: torch.device) -> dict:
 
 
 class TableAttention:
-    """The ``AttentionBackend`` of a padded decode batch: row r writes its K/V at ``slots[r]`` and attends
-    to the blocks ``tables[r]`` (``contexts[r]`` keys, its own included), the new keys of the rows ``fresh[r]``
-    marks among them.  kv_scales: per layer (k_scale, v_scale) of an FP8 cache, or None."""
+    """The ``AttentionBackend`` of a decode batch: row r attends to the blocks ``tables[r]`` (``contexts[r]`` keys,
+    its own included), the new keys of the rows ``fresh[r]`` marks among them; the rows' new K/V are collected in
+    ``new_kv`` (the step writes them into the cache after the graph).  kv_scales: per layer (k_scale, v_scale) of
+    an FP8 cache, or None."""
 
     absorbed = latent_ring = False
 
-    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], slots: torch.Tensor,
-                 tables: torch.Tensor, contexts: torch.Tensor, fresh: torch.Tensor, kv_scales: list | None):
+    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], tables: torch.Tensor,
+                 contexts: torch.Tensor, fresh: torch.Tensor, kv_scales: list | None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
-        self.slots, self.tables, self.contexts, self.fresh, self.kv_scales = slots, tables, contexts, fresh, kv_scales
+        self.tables, self.contexts, self.fresh, self.kv_scales = tables, contexts, fresh, kv_scales
         self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V (B, Hkv, D) as cached
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -98,11 +100,20 @@ class TableAttention:
                             options["sinks"], new=own, kv_scales=scales, fresh=self.fresh)[None]
 
 
-def _decode_step(model, ids, positions, slots, tables, contexts, fresh, k_caches, v_caches, kv_scales):
-    """-> (hidden (B, hidden), the MoE layers' routings, every layer's new K and V as the cache stores them)."""
-    attention = TableAttention(model, k_caches, v_caches, slots, tables, contexts, fresh, kv_scales)
-    hidden, routings = model.hidden_states_static(ids, positions, attention)
-    return hidden, routings, attention.new_kv
+# the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
+IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
+
+
+def _decode_step(model, meta, tables, fresh, k_caches, v_caches, kv_scales):
+    """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
+    real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, B) bool.
+    -> (hidden (B, hidden), the MoE layers' routings, their expert counts over the real rows (moe layers,
+    experts) int64, every layer's new K and V as the cache stores them)."""
+    attention = TableAttention(model, k_caches, v_caches, tables, meta[CONTEXTS], fresh, kv_scales)
+    hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
+    real = meta[REAL]
+    counts = [(F.one_hot(r.topk_idx, r.probs.shape[-1]) * real[:, None, None]).sum((0, 1)) for r in routings]
+    return hidden, routings, torch.stack(counts) if counts else None, attention.new_kv
 
 
 class DecodeGraph:
@@ -131,14 +142,13 @@ class DecodeGraph:
         runner, start = self.runner, time.perf_counter()
         scratch = runner.scratch_block
         for rows in self.warm_up_sizes(max_rows):
-            zeros = torch.zeros(rows, dtype=torch.long, device=runner.device)
+            meta = torch.zeros(5, rows, dtype=torch.long, device=runner.device)
+            meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
             # a width no bucket of rows has: torch.compile would otherwise take the two sizes for one symbol
             # (duck sizing) and recompile at the first step where they differ
             tables = torch.full((rows, 3), scratch, dtype=torch.long, device=runner.device)
-            # distinct tensors, as a step passes them (an aliasing guard would otherwise fail at the first step)
-            self.fn(runner.model, zeros, zeros.clone(), zeros + scratch * runner.block_size, tables, zeros + 1,
-                    torch.eye(rows, dtype=torch.bool, device=runner.device), runner.k_cache, runner.v_cache,
-                    runner.kv_scales)
+            self.fn(runner.model, meta, tables, torch.eye(rows, dtype=torch.bool, device=runner.device),
+                    runner.k_cache, runner.v_cache, runner.kv_scales)
         return time.perf_counter() - start
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
@@ -170,47 +180,45 @@ class DecodeGraph:
         hidden_size)} of the items with k drafts, as ``ModelRunner.step``."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
-        # one row per token: (item index, position)
-        owners = [(i, item.start + j) for i, item in enumerate(items) for j in range(len(item.token_ids))]
-        rows = bucket(len(owners)) if self.pads else len(owners)
-        pad = rows - len(owners)
-        contexts = [position + 1 for _, position in owners]
-        # a row reads from the cache only the keys before its item (the item's own rows join as new keys)
-        cached_blocks = [-(-items[i].start // block_size) for i, _ in owners]
-        width = max(MIN_WIDTH, bucket(max(cached_blocks)))
-        table_rows = []
-        for (i, _), blocks in zip(owners, cached_blocks):
-            used = items[i].tables[0][:blocks]
-            table_rows.append(used + [scratch] * (width - len(used)))
-        table_rows += [[scratch] * width] * pad
-        tables = torch.tensor(table_rows, dtype=torch.long).clamp_(min=0)  # -1: a block outside the window
-        slots = [items[i].tables[0][p // block_size] * block_size + p % block_size for i, p in owners]
-        position = torch.tensor([p for _, p in owners] + [0] * pad)
-        if len(owners) == len(items):  # no drafts: each row sees its own new key only
+        ids, positions, slots, owner, cached = [], [], [], [], []  # per row; cached: per item
+        for i, item in enumerate(items):
+            table = item.tables[0]
+            cached.append(table[:-(-item.start // block_size)])  # a row reads from the cache only the keys before
+            for j, token in enumerate(item.token_ids):           # its item (the item's own rows join as new keys)
+                position = item.start + j
+                ids.append(token)
+                positions.append(position)
+                slots.append(table[position // block_size] * block_size + position % block_size)
+                owner.append(i)
+        real = len(ids)
+        rows = bucket(real) if self.pads else real
+        pad = rows - real
+        width = max(MIN_WIDTH, bucket(max(map(len, cached))))
+        tables = [cached[i] + [scratch] * (width - len(cached[i])) for i in owner] + [[scratch] * width] * pad
+        # padding rows decode token 0 at position 0 into the scratch block
+        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
+                             [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long)
+        if real == len(items):  # no drafts: each row sees its own new key only
             fresh = self._identity(rows)
         else:  # row r sees the new keys of the rows of its own item up to its own position (padding: themselves)
-            group = torch.tensor([i for i, _ in owners] + list(range(len(items), len(items) + pad)))
-            fresh = (group[:, None] == group[None, :]) & (position[None, :] <= position[:, None])
-        device = runner.device
-
-        def tensor(values, fill):
-            return torch.tensor(values + [fill] * pad, dtype=torch.long, device=device)
-
-        tables = tables.to(device)
-        slots = tensor(slots, scratch * block_size)
-        ids = [token for item in items for token in item.token_ids]
-        hidden, routings, new_kv = self.fn(runner.model, tensor(ids, 0), position.to(device), slots, tables,
-                                           tensor(contexts, 1), fresh.to(device), runner.k_cache, runner.v_cache,
-                                           runner.kv_scales)
+            group = torch.tensor(owner + list(range(len(items), len(items) + pad)))
+            position = meta[POSITIONS]
+            fresh = ((group[:, None] == group[None, :]) & (position[None, :] <= position[:, None])).to(runner.device)
+        meta = meta.to(runner.device)
+        tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
+        hidden, routings, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache,
+                                                   runner.kv_scales)
+        slots = meta[SLOTS]
         for (k, v), k_cache, v_cache in zip(new_kv, runner.k_cache, runner.v_cache):
             k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
-        real = len(owners)
-        for block, routing in zip(self.moe_blocks, routings):
-            block.record(type(routing)(*(t[:real] for t in (routing.logits, routing.probs, routing.topk_idx,
-                                                                 routing.topk_weight))))
+        for block, routing, count in zip(self.moe_blocks, routings, counts if counts is not None else ()):
+            if pad:
+                routing = type(routing)(*(t[:real] for t in (routing.logits, routing.probs, routing.topk_idx,
+                                                             routing.topk_weight)))
+            block.record(routing, count)
         self.steps += 1
-        self.drafts_verified += sum(item.drafts for item in items)
+        self.drafts_verified += real - len(items)
         reports, first = {}, 0
         for item in items:
             count = len(item.token_ids)

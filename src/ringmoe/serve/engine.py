@@ -440,9 +440,10 @@ class Engine:
         if self.record_steps:
             self.runner.history.append({"seconds": time.perf_counter() - start, "ring": self.runner.ring_stats,
                                         "moe": moe})
+        per_expert = sum(s.tokens_per_expert for s in moe).tolist() if moe else []
         stats = {
             "ep_rank": self.mesh.ep_rank,
-            "tokens_per_expert": sum(s.tokens_per_expert for s in moe).tolist() if moe else [],
+            "tokens_per_expert": per_expert,
             "tokens_per_rank": sum(s.tokens_per_rank for s in moe).tolist()
             if moe and moe[0].tokens_per_rank is not None else [],
             "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
@@ -450,7 +451,7 @@ class Engine:
             "ring_wait_s": ring["wait_s"] if ring else 0.0,
             "dropped_tokens": sum(s.dropped_tokens for s in moe),
             "expert_rows": sum(int(s.tokens_per_rank[self.mesh.ep_rank]) for s in moe) if rows is not None
-            else sum(int(s.tokens_per_expert.sum()) for s in moe),
+            else sum(per_expert),
         }
         return reports, stats
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = ["SamplingParams", "next_token", "plain_batch", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits",
@@ -224,9 +225,8 @@ def plain_batch(logits: torch.Tensor, params: list[SamplingParams],
     each sampled row's renormalisation and draw stay per row, from its own generator, so a seeded request
     draws what it would alone."""
     logits = logits.float()
-    finite = (~(torch.isnan(logits).any(dim=1) | torch.isposinf(logits).any(dim=1))).tolist()
+    tokens, finite = _row_argmax(logits)
     raw_logprobs = torch.log_softmax(logits, dim=1)
-    tokens = torch.argmax(logits, dim=1).tolist()
     sampled = [r for r, p in enumerate(params) if not p.greedy and finite[r]]
     if sampled:
         chosen = params if len(sampled) == len(params) else [params[r] for r in sampled]
@@ -243,8 +243,21 @@ def plain_batch(logits: torch.Tensor, params: list[SamplingParams],
         for row, r in enumerate(sampled):
             p = probs[row] / probs[row].sum()
             tokens[r] = int(torch.multinomial(p, 1, generator=generators[r]))
-    choices = raw_logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    choices = raw_logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     return [TokenChoice(t, lp) if ok else None for t, lp, ok in zip(tokens, choices, finite)]
+
+
+def _row_argmax(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """logits (B, V) float32 -> (each row's argmax: the first index of its largest value, whether the row has
+    neither NaN nor +inf), as lists.  On a CPU numpy's vectorised reductions do it: torch's CPU argmax over
+    rows of a few thousand logits is 4-6x slower (32 x 4096: 31 us for numpy's argmax, max and compare
+    together, 180 us for torch's argmax alone), and so are its any() of isnan / isposinf."""
+    if logits.device.type == "cpu":
+        values = logits.detach().numpy()
+        # a row's max is NaN if it holds a NaN (max propagates it), +inf if it holds +inf: neither is < inf
+        return values.argmax(axis=1).tolist(), (values.max(axis=1) < np.inf).tolist()
+    finite = ~(torch.isnan(logits).any(dim=1) | torch.isposinf(logits).any(dim=1))
+    return torch.argmax(logits, dim=1).tolist(), finite.tolist()
 
 
 def prompt_choices(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenChoice]:
