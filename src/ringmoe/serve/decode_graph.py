@@ -12,9 +12,10 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
 - the paged attention (``paged_decode``: blocks gathered by table, keys past a row's context masked, the
   row's own new key merged by the online softmax) is tensor ops inside the graph, as are the router and
   the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph
-  only reads the cache: every layer's new K/V and the routing of the rows come out of it, and after it the
-  K/V are written at each row's slot (``index_copy_``) and the routing of the real rows becomes the MoE
-  statistics, once per step;
+  only reads the cache: every layer's new K/V, the routing of the rows and each MoE layer's assignments per
+  expert over the real rows come out of it, and after it the K/V are written at each row's slot
+  (``index_copy_``) and the counts become the MoE statistics, once per step.  The rows' integers (token,
+  position, context length, real or padding, slot) travel as one (5, B) tensor: one copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules: ``compile_options``) treats the
   batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
