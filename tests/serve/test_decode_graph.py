@@ -176,17 +176,29 @@ def test_steps_the_graph_cannot_run_take_the_eager_path():
     assert [[c.token for c in o.logprobs] for o in static] == [[c.token for c in o.logprobs] for o in eager]
 
 
-def test_moe_statistics_count_the_real_rows_only():
-    """Padding rows never reach the expert counts: one decode (padded to 1) and three (padded to 4)."""
+@pytest.mark.parametrize("pads", [True, False])
+def test_moe_statistics_count_the_real_rows_only(pads):
+    """The graph's expert counts are the eager step's, and padding rows never reach them: three decodes (padded
+    to 4 when the batch pads), then two (after the shortest request ends)."""
     model = _model("tiny")
-    engine = Engine(model, decode_graph="static")
-    for prompt in _prompts(3, seed=9):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    while engine.has_unfinished:
-        engine.step()
-        stats = engine.last_stats
-        if engine.runner.decode_graph.steps and stats.batch_tokens == stats.num_sequences:
-            assert sum(stats.tokens_per_expert) == stats.num_sequences * model.config.top_k * len(model.moe_layers())
+    counts = {}
+    for mode in ("off", "static"):
+        engine = Engine(model, decode_graph=mode)
+        if mode == "static":
+            engine.runner.decode_graph.pads = pads
+        for i, prompt in enumerate(_prompts(3, seed=9)):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True))
+        counts[mode] = []
+        while engine.has_unfinished:
+            engine.step()
+            stats = engine.last_stats
+            if stats.batch_tokens == stats.num_sequences:  # a decode-only step
+                assert sum(stats.tokens_per_expert) == stats.num_sequences * model.config.top_k * len(
+                    model.moe_layers())
+                counts[mode].append(stats.tokens_per_expert)
+        if mode == "static":
+            assert engine.runner.decode_graph.steps == len(counts[mode]) > 0
+    assert counts["static"] == counts["off"]
 
 
 def test_bad_decode_graph_mode_is_refused():
