@@ -13,9 +13,9 @@ median is reported with:
   graph's own code (inductor's fused C++ kernels and its C++ wrapper): the Python of the scheduler, the step's
   inputs, torch.compile's guards, sampling, the K/V writes, dispatch and small ops.  The torch profiler tells the
   compute apart (its events' times); the share is one minus that compute over the wall time of as many steps
-  run without the profiler, interleaved with the profiled ones (``host_overhead_share``).  Timed under the profiler as well, a step also pays the
-  profiler's own recording of every op, most of them host-side ops: that share is reported too
-  (``host_overhead_share_profiled``) and is the higher, pessimistic figure.
+  run without the profiler, interleaved with the profiled ones (``host_overhead_share``).  A step timed under
+  the profiler also pays the profiler's recording of every op, most of them host-side ops: that share is
+  reported too (``host_overhead_share_profiled``); on a machine whose speed drifts the two can swap places.
 
 Each batch runs twice: the eager step (``decode_graph="off"``) and the compiled decode graph
 (``decode_graph="compiled"``, its compile time reported); the ratio is the speed-up.

@@ -218,11 +218,9 @@ class MoELayer(nn.Module):
             y = y + self.shared(x)
         return y.to(x.dtype), routing
 
-    def record(self, routing: Routing, counts: torch.Tensor | None = None) -> None:
-        """``last_stats`` of a ``forward_static`` call, from the routing of its real rows (dropless); counts: its
-        assignments per expert (E,) int64 if the caller has them (a compiled step counts inside its graph)."""
-        if counts is None:
-            counts = torch.bincount(routing.topk_idx.reshape(-1), minlength=self.num_experts)
+    def record(self, routing: Routing, counts: torch.Tensor) -> None:
+        """``last_stats`` of a ``forward_static`` call: the routing of its real rows and their assignments per
+        expert, counts (E,) int64 (dropless; the decode step counts them inside its graph)."""
         self.last_stats = MoEStats(tokens_per_expert=counts, routed_per_expert=counts, dropped_assignments=0,
                                    dropped_tokens=0, routing=routing, num_experts=self.num_experts)
 
