@@ -186,8 +186,8 @@ class MoELayer(nn.Module):
         the arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
         sorted per-expert GEMMs of ``forward`` as one opaque operator of the graph (``grouped_op``: their split
         depends on the routing, which a traced graph cannot express), where the dense form's extra arithmetic
-        would cost more.  Dropless
-        and local only (``static_ready``); ``record`` turns the routing of the real rows into ``last_stats``."""
+        would cost more.  Dropless and local only (``static_ready``); ``record`` turns the routing of the real rows
+        and their counts per expert (the decode step's graph computes them) into ``last_stats``."""
         if not torch.compiler.is_compiling():
             self.register_op()
         routing = self.router(x)
