@@ -25,17 +25,13 @@ from ringmoe.apps.demo_model import DEMO_TRAINING, trained_demo_checkpoint  # no
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 from ringmoe.train.run import TrainOptions, run_training  # noqa: E402
 
-# recipes compared (500 steps of 2048 tokens unless they say otherwise); each changes DEMO_TRAINING's settings
-SWEEP = {"vocab 1024, lr 2e-3 (the previous recipe)": dict(vocab_size=1024, steps=500),
-         "vocab 512": dict(vocab_size=512, steps=500),
-         "vocab 384": dict(vocab_size=384, steps=500),
-         "vocab 259 (bytes), lr 1e-3": dict(vocab_size=259, steps=500, lr=1e-3),
-         "vocab 512, lr 1e-3": dict(vocab_size=512, steps=500, lr=1e-3),
-         "vocab 512, lr 4e-3": dict(vocab_size=512, steps=500, lr=4e-3),
-         "vocab 384, 750 steps": dict(vocab_size=384, steps=750),
-         "vocab 384, 750 steps, balancing weight 0.3": dict(vocab_size=384, steps=750, aux_coef=0.3),
-         "vocab 384, 375 steps of 4096 tokens (seqlen 256), lr 3e-3": dict(vocab_size=384, steps=375, seqlen=256,
-                                                                           tokens_per_step=4096, lr=3e-3)}
+# recipes compared, each a change of DEMO_TRAINING's settings (900 steps of 2048 tokens, the data in its order of
+# now: the cuts of the stream in a seeded random order).  The sweep of the data's earlier order (one file after
+# another, 500 steps, sequences of 128; validation loss over 0.74x the unigram entropy at best) chose the vocabulary,
+# the learning rate and the balancing weight: results/demo_model_sweep_stream_order.json.
+SWEEP = {"sequences of 128 (the previous recipe's)": dict(seqlen=128, eval_sequences=64),
+         "sequences of 512": dict(seqlen=512, eval_sequences=16),
+         "lr 3e-3": dict(lr=3e-3)}
 
 PROMPTS = ["def read_config(path):\n", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n\n",
            "    for i in range("]
@@ -61,7 +57,7 @@ def sweep() -> dict:
     results = {}
     for name, change in SWEEP.items():
         with tempfile.TemporaryDirectory() as out:
-            steps = change["steps"]
+            steps = change.get("steps", DEMO_TRAINING["steps"])
             settings = {**DEMO_TRAINING, "eval_every": steps, "log_every": steps, "save_every": steps, **change}
             result = run_training(TrainOptions(out=out, **settings))
             rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

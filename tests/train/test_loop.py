@@ -172,6 +172,26 @@ def test_labels_stay_inside_documents():
     assert bounds[0] == 0 and bounds[-1] == 24 and (bounds[1:] > bounds[:-1]).all()
 
 
+def test_the_stream_visits_every_cut_once_per_pass_in_a_seeded_order():
+    gen = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, 1000, (int(n),), generator=gen).tolist()
+            for n in torch.randint(5, 300, (40,), generator=gen)]
+    stream, again = PackedStream(docs, seqlen=16, eos_id=1000), PackedStream(docs, seqlen=16, eos_id=1000)
+    n = stream.num_sequences
+    cuts = {tuple(stream.tokens[16 * i:16 * (i + 1)].tolist()): i for i in range(n)}  # stream order: cut i
+    visited = [cuts[tuple(stream.sequence(i)[0].tolist())] for i in range(n)]
+    assert sorted(visited) == list(range(n))                   # every cut once per pass
+    assert sum(b == a + 1 for a, b in zip(visited, visited[1:])) < n // 4  # not in stream order
+    assert stream.sequence(n + 3)[0].equal(stream.sequence(3)[0])  # the next pass repeats it
+    batch, same = stream.batch(7, 5), again.batch(7, 5)  # a pure function of the position: resumable
+    assert batch.ids.equal(same.ids) and all(a.equal(b) for a, b in zip(batch.cu_seqlens, same.cu_seqlens))
+    for i, cut in enumerate(visited):  # the document boundaries travel with their cut
+        starts = [int(s) - 16 * cut for s in stream.starts if 16 * cut < s < 16 * (cut + 1)]
+        assert stream.sequence(i)[1].tolist() == [0, *starts, 16]
+    in_order = PackedStream(docs, seqlen=16, eos_id=1000, shuffle_seed=None)
+    assert all(in_order.sequence(i)[0].equal(in_order.tokens[16 * i:16 * (i + 1)]) for i in range(n))
+
+
 def _gradients(rank, world, cp, ep, checkpointing):
     mesh = make_mesh(cp, ep)
     model = MoETransformer(CONFIG, mesh).double()

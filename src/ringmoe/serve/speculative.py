@@ -11,7 +11,6 @@ p_i(d_i), the emitted token is distributed as p_i whatever the draft, and when e
 row gives one more token (the "bonus").  Each emitted token costs one draw from the request's generator, exactly as
 without speculation: a seeded request samples the same tokens with or without drafts wherever its logits are the
 same bits (always in the deterministic mode, where every row runs on fixed tiles).  The positions after the
-first rejectionThe positions after the
 first rejection were computed for nothing: the request's ``num_computed`` counts only accepted tokens, so their
 K/V slots are overwritten by the next step, and prefix-cache hashes are taken only over accepted tokens.
 

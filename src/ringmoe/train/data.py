@@ -1,11 +1,14 @@
 """Training data: tokenized documents (``text.corpus``) packed into fixed-length sequences that keep boundaries.
 
-``PackedStream`` concatenates tokenized documents (in a seeded shuffled order, so that consecutive
-steps see the whole corpus rather than one package after another) and cuts the stream into sequences of ``seqlen``
-tokens; a document that crosses a cut continues as a new document in the next sequence.  Each
-sequence carries its int32 ``cu_seqlens`` (document boundaries inside it), so attention never
-crosses a document and positions restart at every document.  The stream is a pure function of the
-corpus and its position, so training resumes exactly from a saved position.
+``PackedStream`` concatenates tokenized documents (in a seeded shuffled order) and cuts the stream into sequences
+of ``seqlen`` tokens; a document that crosses a cut continues as a new document in the next cut.  Each sequence
+carries its int32 ``cu_seqlens`` (document boundaries inside it), so attention never crosses a document and
+positions restart at every document.  The cuts are visited in a seeded random order: a file of the corpus spans
+tens of cuts (the standard library has files of 75-230 kB, 25-75 steps of the demo's 2048 tokens), and taken in
+stream order the rows of a step, and the steps after it, would come from one file: the gradient of each step would
+follow one file's style (on the demo model: validation loss 3.64 vs 2.96 after 450 steps, loss plateaus and
+spikes).  The stream is a pure function of the corpus and its position, so training resumes exactly from a saved
+position.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def _cuts(lengths: list[int]) -> torch.Tensor:
 class PackedStream:
     """Fixed-length sequences from tokenized documents, document boundaries kept; resumable by position."""
 
+    ORDER = "shuffled documents, cuts in a seeded random order"  # what a cached model's stamp records
+
     def __init__(self, docs: list[list[int]], seqlen: int, eos_id: int | None = None, shuffle_seed: int | None = 0):
         if seqlen < 2:
             raise ValueError(f"seqlen must be >= 2, got {seqlen}")
@@ -52,10 +57,13 @@ class PackedStream:
         self.starts = torch.tensor(starts + [len(tokens)], dtype=torch.int64)
         self.seqlen = seqlen
         self.num_sequences = len(tokens) // seqlen
+        # sequence i is cut order[i] of the stream (shuffle_seed None: the cuts in stream order)
+        self.order = (list(range(self.num_sequences)) if shuffle_seed is None else torch.randperm(
+            self.num_sequences, generator=torch.Generator().manual_seed(shuffle_seed + 1)).tolist())
 
     def sequence(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``index`` (modulo the stream's length): ids (seqlen,), cu_seqlens int32."""
-        index %= self.num_sequences
+        index = self.order[index % self.num_sequences]
         lo, hi = index * self.seqlen, (index + 1) * self.seqlen
         inside = self.starts[(self.starts > lo) & (self.starts < hi)].tolist()
         bounds = [lo] + inside + [hi]
