@@ -375,6 +375,32 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert drafter.propose([4, 4, 4, 4, 4, 4], 3) == [4, 4, 4]  # a loop: an occurrence with k tokens after it
 
 
+def _scan_proposal(tokens, k, lookup_min, lookup_max):
+    """The rule written as a plain scan: for n from max to min, the latest earlier occurrence of the last n tokens
+    followed by k tokens, else the occurrence followed by the most."""
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        ends = [e for e in range(n, len(tokens)) if tokens[e - n:e] == tokens[-n:]]
+        if ends:
+            full = [e for e in ends if e + k <= len(tokens)]
+            end = full[-1] if full else ends[0]
+            return tokens[end:end + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ngram_drafter_equals_the_plain_scan_on_random_contexts(seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        length = int(torch.randint(1, 60, (), generator=gen))
+        vocabulary = int(torch.randint(2, 6, (), generator=gen))  # few symbols: many repeats and loops
+        tokens = torch.randint(0, vocabulary, (length,), generator=gen).tolist()
+        k = int(torch.randint(1, 6, (), generator=gen))
+        low = int(torch.randint(1, 4, (), generator=gen))
+        high = low + int(torch.randint(0, 3, (), generator=gen))
+        assert NgramDrafter(low, high).propose(tokens, k) == _scan_proposal(tokens, k, low, high), (tokens, k, low,
+                                                                                                    high)
+
+
 def test_drafting_stops_from_disable_by_batch_size_running_requests():
     """vLLM's disable_by_batch_size: with 4 requests running (>= 3) no step drafts; as requests finish and fewer
     than 3 run, drafting resumes; the tokens are those of decoding without speculation either way."""
