@@ -4,15 +4,22 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+RUNTIME := $(VENV)/.runtime-installed
 STAMP  := $(VENV)/.installed
 
 .PHONY: test test-all demo bench install clean
 
-$(STAMP): pyproject.toml requirements/dev.txt
+# what the demo needs (the library, its server, the openai client): a fresh `make demo` installs only this
+$(RUNTIME): pyproject.toml requirements/runtime.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements/dev.txt
+	$(BIN)/python -m pip install -q -r requirements/runtime.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(RUNTIME)
+
+# everything the tests and benchmarks use besides
+$(STAMP): $(RUNTIME) requirements/dev.txt
+	$(BIN)/python -m pip install -q -r requirements/dev.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,7 +30,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/ringmoe demo
 
 bench: $(STAMP)
