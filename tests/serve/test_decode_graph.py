@@ -236,21 +236,22 @@ def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_c
 
 
 def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up():
-    """Inductor guards the compiled step on the attended length being <= LONG_CONTEXT (past it a sum is compiled as
-    a chunked one): with a cache that can hold longer contexts the warm-up compiles both sides, so no serving step
-    compiles; with a cache that cannot, a longer table (never met in serving) would compile."""
+    """Inductor guards a compiled float32 sum on its length being <= LONG_SUM (past it the sum takes another form):
+    the attention sums within blocks first, so a table of up to LONG_SUM blocks (65,536 keys here) runs the graph
+    compiled on a short one; with a cache of more blocks the warm-up compiles wider tables too, so no serving step
+    compiles; with a cache of fewer, a wider table (never met in serving) would compile."""
     from torch._dynamo.utils import counters
 
-    from ringmoe.serve.decode_graph import LONG_CONTEXT
+    from ringmoe.serve.decode_graph import LONG_SUM
 
     model = _model("tiny", torch.float32)
     torch._dynamo.reset()  # no graph of an earlier test (the compiled code is kept per function, not per engine)
-    for cache_tokens, compiles in ((2048, True), (32768, False)):
-        graph = Engine(model, decode_graph="compiled", max_num_seqs=2, kv_cache_tokens=cache_tokens).runner.decode_graph
-        long_width = LONG_CONTEXT // graph.runner.block_size + 40
+    for blocks, compiles in ((LONG_SUM // 2, True), (LONG_SUM + 64, False)):
+        engine = Engine(model, decode_graph="compiled", max_num_seqs=1, kv_cache_tokens=blocks * 16, block_size=16)
+        graph = engine.runner.decode_graph
         before = counters["stats"]["unique_graphs"]
         with torch.no_grad():  # as the engine's steps run
-            for rows in (1, 2):
-                graph._run_scratch(rows, 5)
-                graph._run_scratch(rows, long_width)
-        assert (counters["stats"]["unique_graphs"] > before) == compiles, cache_tokens
+            graph._run_scratch(1, 5)
+            graph._run_scratch(1, 300)  # 4,800 keys: one sum over every key would be past LONG_SUM
+            graph._run_scratch(1, LONG_SUM + 40)
+        assert (counters["stats"]["unique_graphs"] > before) == compiles, blocks

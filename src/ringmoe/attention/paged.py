@@ -99,8 +99,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     N x N); deterministic=True (or True for a sequence in a list) uses ``invariant_causal_attention``.
     window_size (flash-attn's, causal: (left, 0)) and sinks (heads,): as ``flash_attn_func`` (the fused
     kernel has neither: the gathered path runs them).  Sequences with one new token (decoding) run
-    together, grouped by context length (``_buckets``); ``batch_decodes=False`` runs each alone, so its arithmetic never depends on
-    the others (the engine's deterministic mode).  kv_scales: the FP8 cache's scales (see the module's docstring).
+    together, grouped by context length (``_buckets``); ``batch_decodes=False`` runs each alone, so its arithmetic
+    never depends on the others (the engine's deterministic mode).  kv_scales: the FP8 cache's scales (see the module's docstring).
     """
     block_size = k_cache.shape[1]
     if len(cu_seqlens_q) != len(cache_seqlens) + 1 or len(block_tables) != len(cache_seqlens):
@@ -220,7 +220,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # (n, Hkv, K, D)
     scores = torch.matmul(qg, keys.transpose(2, 3)) * scale                              # (n, Hkv, G, K)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                                # (n, Hkv, G)
+    lse = (_logsumexp_by_block(scores, block_size) if length % block_size == 0
+           else torch.logsumexp(scores, dim=-1))                                         # (n, Hkv, G)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
     out = torch.matmul(torch.exp(scores - finite[..., None]), values)                    # (n, Hkv, G, D)
     if new is not None:
@@ -240,6 +241,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out, _ = add_sinks(out[None], lse.reshape(n, heads).T[None], sinks)
         out = out[0]
     return out.to(q.dtype)
+
+
+def _logsumexp_by_block(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """logsumexp over the last dim of scores (..., K), K a multiple of block_size, -inf for a row of -inf: the sum
+    of exponentials taken within each block first, then over the blocks.  Compiled, each sum is its own reduction,
+    the longer one over K / block_size terms: inductor compiles a float32 sum of more than 4096 terms in another
+    form and guards the graph on the length, so a single sum over the keys would make contexts past 4096 keys
+    a second graph (here: past 4096 blocks)."""
+    peak = scores.amax(-1, keepdim=True)
+    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    blocks = torch.exp(scores - peak).unflatten(-1, (-1, block_size)).sum(-1)
+    return torch.log(blocks.sum(-1)) + peak[..., 0]
 
 
 def _use_triton(backend: str, q: torch.Tensor) -> bool:

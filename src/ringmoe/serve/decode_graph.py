@@ -19,9 +19,9 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules: ``compile_options``) treats the
   batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
-  (``MoELayer.forward_static``), each again for contexts past ``LONG_CONTEXT`` keys (inductor's guard on the
-  length of a sum), all compiled at start-up (``warm_up``): no serving step compiles; inductor keeps its compiled
-  code in its on-disk cache, so a restart of the server recompiles quickly.
+  (``MoELayer.forward_static``), each again for tables past ``LONG_SUM`` blocks if the cache holds that many
+  (inductor's guard on the length of a sum), all compiled at start-up (``warm_up``): no serving step compiles;
+  inductor keeps its compiled code in its on-disk cache, so a restart of the server recompiles quickly.
 
 Speculative decoding: an item of a token and its k drafts (positions p .. p + k) becomes k + 1 rows that share
 the request's block table and read its cache up to p - 1; the rows' new keys join causally within the item
@@ -47,9 +47,10 @@ from ..float8 import decode_e4m3, encode_e4m3
 __all__ = ["DecodeGraph", "bucket"]
 
 MIN_WIDTH = 2  # blocks per table row at least: a width of 1 would be a shape torch.compile specialises
-# inductor compiles a float32 sum over more than this many elements (here: over a row's attended keys) as a chunked
-# cascade sum, and guards the graph on the attended length being at most this: a longer context is another graph
-LONG_CONTEXT = 4096
+# inductor compiles a float32 sum of more than this many terms as a chunked cascade sum, and guards the graph on
+# the sum's length being at most this: the attention's longest sum runs over a row's blocks (``paged_decode``
+# sums within each block first), so a table wider than this many blocks is another graph
+LONG_SUM = 4096
 
 
 def bucket(n: int) -> int:
@@ -143,7 +144,7 @@ class DecodeGraph:
     def warm_up(self, max_rows: int) -> float:
         """Compile now rather than at the first requests: every bucket up to ``max_rows`` runs once (most
         reuse one graph; the experts' forms switch with the row count), with a short table and, when the cache
-        can hold a context longer than ``LONG_CONTEXT``, each form once more with a table past it (a serving step
+        holds more than ``LONG_SUM`` blocks, each form once more with a table wider than that (a serving step
         would otherwise compile for seconds when the first context grows past it); seconds taken.  The rows decode
         into the scratch block only: no request's cache is touched."""
         runner, start = self.runner, time.perf_counter()
@@ -151,8 +152,8 @@ class DecodeGraph:
         # a width no bucket of rows has: torch.compile would otherwise take the two sizes for one symbol (duck
         # sizing) and recompile at the first step where they differ
         runs = [(rows, 3) for rows in sizes]
-        if runner.scratch_block * runner.block_size > LONG_CONTEXT:
-            width = LONG_CONTEXT // runner.block_size + 1
+        if runner.scratch_block > LONG_SUM:
+            width = LONG_SUM + 1
             while width in sizes or width in runner.k_cache[0].shape:  # no other size of the inputs (duck sizing)
                 width += 1
             starts = {1, 2} | {edge for block in self.moe_blocks for edge in block.static_form_edges()}
