@@ -100,7 +100,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     window_size (flash-attn's, causal: (left, 0)) and sinks (heads,): as ``flash_attn_func`` (the fused
     kernel has neither: the gathered path runs them).  Sequences with one new token (decoding) run
     together, grouped by context length (``_buckets``); ``batch_decodes=False`` runs each alone, so its arithmetic
-    never depends on the others (the engine's deterministic mode).  kv_scales: the FP8 cache's scales (see the module's docstring).
+    never depends on the others (the engine's deterministic mode).  kv_scales: the FP8 cache's scales (see the
+    module's docstring).
     """
     block_size = k_cache.shape[1]
     if len(cu_seqlens_q) != len(cache_seqlens) + 1 or len(block_tables) != len(cache_seqlens):
