@@ -174,7 +174,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  contexts: torch.Tensor, length: int, window_left: int = -1, sinks: torch.Tensor | None = None,
                  new: tuple[torch.Tensor, torch.Tensor] | None = None,
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 fresh: torch.Tensor | None = None) -> torch.Tensor:
+                 fresh: torch.Tensor | None = None, by_block: bool = False) -> torch.Tensor:
     """New tokens against a paged cache, one query row each, in fixed-shape tensor ops (no host work: what the
     compiled decode step runs).
 
@@ -194,6 +194,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (a read after a compiled write searches the written slots for every key).
     With an FP8 cache (``kv_scales``) ``new`` is given as the caller will store it (its e4m3 round trip), so the
     row sees the same own key as a later step reading it from the cache.
+    ``by_block`` (length a multiple of block_size): the softmax's sum taken per block, then over the blocks
+    (``_logsumexp_by_block``: what the compiled step runs); otherwise one sum over the keys, whose bits the
+    deterministic mode's kernels share.
     """
     n, heads, dim = q.shape
     width = tables.shape[1]
@@ -221,7 +224,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # (n, Hkv, K, D)
     scores = torch.matmul(qg, keys.transpose(2, 3)) * scale                              # (n, Hkv, G, K)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    lse = (_logsumexp_by_block(scores, block_size) if length % block_size == 0
+    lse = (_logsumexp_by_block(scores, block_size) if by_block
            else torch.logsumexp(scores, dim=-1))                                         # (n, Hkv, G)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
     out = torch.matmul(torch.exp(scores - finite[..., None]), values)                    # (n, Hkv, G, D)

@@ -103,7 +103,7 @@ class TableAttention:
         else:
             self.new_kv.append(own)
         return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, options["window_size"][0],
-                            options["sinks"], new=own, kv_scales=scales, fresh=self.fresh)[None]
+                            options["sinks"], new=own, kv_scales=scales, fresh=self.fresh, by_block=True)[None]
 
 
 # the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
