@@ -33,8 +33,10 @@ def _alive(pid: int) -> bool:
 
 
 def _start_demo_with_ranks(world: int = 4) -> tuple[subprocess.Popen, list[int]]:
+    # SIGINT at its default, as a terminal starts a job: a child inherits an ignored SIGINT (Python then never
+    # turns it into KeyboardInterrupt), and this test process may have been left ignoring it
     demo = subprocess.Popen(DEMO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         ranks = _children(demo.pid)
