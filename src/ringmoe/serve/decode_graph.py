@@ -156,9 +156,10 @@ class DecodeGraph:
             width = LONG_SUM + 1
             while width in sizes or width in runner.k_cache[0].shape:  # no other size of the inputs (duck sizing)
                 width += 1
-            starts = {1, 2} | {edge for block in self.moe_blocks for edge in block.static_form_edges()}
-            runs += [(min(size for size in sizes if size >= first), width) for first in sorted(starts)
-                     if any(size >= first for size in sizes)]  # the first row count of each form
+            # each form's graph once: its first row count (a batch of one, then each side of the experts' switches)
+            firsts = {1, 2} | {edge for block in self.moe_blocks for edge in block.static_form_edges()}
+            runs += [(next(size for size in sizes if size >= first), width) for first in sorted(firsts)
+                     if first <= sizes[-1]]
         for rows, width in dict.fromkeys(runs):
             self._run_scratch(rows, width)
         return time.perf_counter() - start
