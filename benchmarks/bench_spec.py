@@ -5,11 +5,17 @@ n-gram (``--only ngram``):
 Model: the trained demo model (``make demo``'s, trained here once if absent: ~3 minutes), float32, 2 threads.
 Prompts: code completion of the standard library's sources (each prompt: the first 192 tokens of a .py file;
 code repeats its identifiers, so the continuation often copies an earlier run), greedy, 64 new tokens.
-At concurrency c: max(4, c) requests, c running at once (max_num_seqs = c), on the offline engine; each engine
+At concurrency c: max(4, 3c) requests, c running at once (max_num_seqs = c: a finished request's place is taken
+by the next, so the load stays at c while any wait, as under a server's steady load; with only c requests a
+request that speculation finishes early leaves the others to run on with fewer rows, and the run lasts as long as
+the one whose drafts fail), on the offline engine; each engine
 runs them three times, taking turns with the other engines of its concurrency; the median run is kept.
-Each concurrency runs four engines: eager / compiled decode graph, each without and with
-``{"method": "ngram", "num_speculative_tokens": K}`` (steps without drafts use the compiled graph too).
-Greedy outputs are checked equal with and without speculation.
+Each concurrency runs six engines: eager / compiled decode graph, each without drafts, with
+``{"method": "ngram", "num_speculative_tokens": K}`` (every draft proposed is verified; steps without drafts use the
+compiled graph too) and with ``"draft_length": "goodput"`` added (each step keeps the drafts that raise its expected
+tokens per second, from the acceptance and step times the engine measures: ``serve/draft_budget.py``).  Greedy
+outputs are checked equal with and without speculation.  At one request, ``fixed_ceiling_compiled``: the speed-up
+the accepted drafts would give if verifying them cost nothing (each run's prefill timed apart: the prompts alone).
 
 MTP (``--only mtp``): the demo's size in DeepSeek-V3's form trained with its multi-token prediction module by the
 demo's recipe (``apps.demo_model.MTP_TRAINING``: ``ringmoe train --preset deepseek-v3-demo --mtp``, cached), exported
@@ -68,23 +74,31 @@ def run(path, prompt_ids, concurrency, new, variants: dict) -> dict:
         engine.generate(prompt_ids[:1], params)  # warm-up (the compiled graph is already built)
         engines[key], times[key] = engine, []
         before[key] = (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens,
-                       list(engine.spec_stats.accepted_per_position))
+                       list(engine.spec_stats.accepted_per_position), engine.spec_stats.num_draft_tokens)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prefills = {key: [] for key in engines}  # the prompts' prefill alone (and each one's first token)
     for _ in range(REPEATS):
         for key, engine in engines.items():
             start = time.perf_counter()
             outs[key] = engine.generate(prompt_ids, params)
             times[key].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            engine.generate(prompt_ids, first)
+            prefills[key].append(time.perf_counter() - start)
     results = {}
     for key, engine in engines.items():
         seconds = sorted(times[key])[REPEATS // 2]
         tokens = sum(len(o.output_ids) for o in outs[key])
-        drafts_before, accepted_before, per_position_before = before[key]
-        drafts = (engine.spec_stats.num_drafts - drafts_before) // REPEATS  # per run (greedy: every run the same)
+        drafts_before, accepted_before, per_position_before, draft_tokens_before = before[key]
+        drafts = (engine.spec_stats.num_drafts - drafts_before) // REPEATS  # per run (fixed drafts: every run alike)
         accepted = (engine.spec_stats.num_accepted_tokens - accepted_before) // REPEATS
+        draft_tokens = (engine.spec_stats.num_draft_tokens - draft_tokens_before) / REPEATS
         per_position = [(a - (per_position_before[i] if i < len(per_position_before) else 0)) // REPEATS
                         for i, a in enumerate(engine.spec_stats.accepted_per_position)]
         results[key] = ({"tokens_per_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens,
+                         "prefill_seconds": sorted(prefills[key])[REPEATS // 2],
                          "drafted_steps": drafts, "accepted_tokens": accepted,
+                         "drafts_per_drafted_step": draft_tokens / drafts if drafts else 0.0,
                          "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
                          "acceptance_per_position": [a / drafts for a in per_position] if drafts else [],
                          "compile_s": engine.compile_seconds}, [o.output_ids for o in outs[key]])
@@ -96,11 +110,13 @@ def plot(data, path):
     plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     levels = sorted({r["concurrency"] for r in rows})
-    for label, spec, graph in (("eager", False, False), ("eager + n-gram", True, False),
-                               ("compiled", False, True), ("compiled + n-gram", True, True)):
-        ys = [next(r["tokens_per_s"] for r in rows if r["concurrency"] == c and r["spec"] == spec
-                   and r["compiled"] == graph) for c in levels]
-        ax.plot(levels, ys, marker="o", label=label, linestyle="--" if not spec else "-")
+    for graph in (False, True):
+        for mode, label in ((None, ""), ("fixed", " + n-gram"), ("goodput", " + n-gram, goodput drafts")):
+            ys = [next((r["tokens_per_s"] for r in rows if r["concurrency"] == c and r.get("draft_length") == mode
+                        and r["compiled"] == graph), None) for c in levels]
+            if None not in ys:
+                ax.plot(levels, ys, marker="o", label=("compiled" if graph else "eager") + label,
+                        linestyle="--" if mode is None else "-")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
@@ -182,6 +198,21 @@ def repeated_share(prompt_ids: list[list[int]], outputs: list[list[int]], n: int
     return repeated / max(1, total)
 
 
+def requests(concurrency: int) -> int:
+    """Requests of the n-gram runs at ``concurrency`` (see the module's docstring)."""
+    return max(4, 3 * concurrency)
+
+
+def ceiling(plain: dict, drafted: dict, requests: int) -> float:
+    """At one request at a time, the speed-up the accepted drafts would give if a step carrying drafts cost what a
+    step without them does: the plain run spends its time less the prompts' prefill on one step per output token
+    after each request's first, and the run with drafts needs ``accepted_tokens`` fewer of those steps."""
+    decode_tokens = plain["output_tokens"] - requests
+    decode_s = plain["seconds"] - plain["prefill_seconds"]
+    steps = decode_tokens - drafted["accepted_tokens"]
+    return plain["seconds"] / (plain["prefill_seconds"] + decode_s * steps / decode_tokens)
+
+
 def ngram_part(levels: list[int], k: int, new: int) -> dict:
     path = trained_demo_checkpoint()
     from ringmoe.text import Tokenizer
@@ -189,36 +220,36 @@ def ngram_part(levels: list[int], k: int, new: int) -> dict:
     tokenizer = Tokenizer(path)
     rows = []
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    configs = {"plain": None, "fixed": spec, "goodput": {**spec, "draft_length": "goodput"}}
     for concurrency in levels:
-        prompt_ids = prompts(tokenizer, max(4, concurrency))
-        outputs = {}
-        variants = {(graph, speculative): (spec if speculative else None, graph)
-                    for graph in (False, True) for speculative in (False, True)}
+        prompt_ids = prompts(tokenizer, requests(concurrency))
+        variants = {(graph, mode): (config, graph) for graph in (False, True) for mode, config in configs.items()}
         measured = run(path, prompt_ids, concurrency, new, variants)
-        for graph in (False, True):
-            for speculative in (False, True):
-                row, outputs[(graph, speculative)] = measured[(graph, speculative)]
-                row.update(concurrency=concurrency, spec=speculative, compiled=graph)
-                rows.append(row)
-                mode = "compiled" if graph else "eager   "
-                print(f"c={concurrency:3d} {mode} {'ngram' if speculative else 'plain'}: "
-                      f"{row['tokens_per_s']:7.1f} tok/s  mean accepted length {row['mean_accepted_length']:.2f}",
-                      flush=True)
-        same = all(outputs[(g, True)] == outputs[(g, False)] for g in (False, True))
-        plain = outputs[(True, False)]
-        for row in rows[-4:]:
-            row["same_tokens_as_plain"] = same
-            row["repeated_share"] = repeated_share(prompt_ids, plain)
-            row["sample_outputs"] = [tokenizer.decode(ids) for ids in plain[:2]]
+        outputs = {key: ids for key, (_, ids) in measured.items()}
+        plain = outputs[(True, "plain")]
+        for (graph, mode), (row, _) in measured.items():
+            row.update(concurrency=concurrency, spec=mode != "plain", compiled=graph,
+                       draft_length=None if mode == "plain" else mode,
+                       same_tokens_as_plain=all(ids == plain for ids in outputs.values()),
+                       repeated_share=repeated_share(prompt_ids, plain),
+                       sample_outputs=[tokenizer.decode(ids) for ids in plain[:2]])
+            rows.append(row)
+            print(f"c={concurrency:3d} {'compiled' if graph else 'eager   '} {mode:8s}: {row['tokens_per_s']:7.1f} "
+                  f"tok/s  mean accepted length {row['mean_accepted_length']:.2f}", flush=True)
     summary = {}
     for concurrency in levels:
-        pick = {(r["spec"], r["compiled"]): r for r in rows if r["concurrency"] == concurrency}
+        pick = {(r["compiled"], r["draft_length"] or "plain"): r for r in rows if r["concurrency"] == concurrency}
+        ratio = {f"{mode}_vs_plain_{'compiled' if graph else 'eager'}":
+                 pick[(graph, mode)]["tokens_per_s"] / pick[(graph, "plain")]["tokens_per_s"]
+                 for graph in (False, True) for mode in ("fixed", "goodput")}
         summary[str(concurrency)] = {
-            "ngram_vs_plain_eager": pick[(True, False)]["tokens_per_s"] / pick[(False, False)]["tokens_per_s"],
-            "ngram_vs_plain_compiled": pick[(True, True)]["tokens_per_s"] / pick[(False, True)]["tokens_per_s"],
-            "best_ngram_vs_best_plain": max(pick[(True, g)]["tokens_per_s"] for g in (False, True))
-            / max(pick[(False, g)]["tokens_per_s"] for g in (False, True)),
-            "mean_accepted_length": pick[(True, False)]["mean_accepted_length"],
+            **ratio,
+            "best_ngram_vs_best_plain": max(pick[(g, m)]["tokens_per_s"] for g in (False, True)
+                                            for m in ("fixed", "goodput"))
+            / max(pick[(g, "plain")]["tokens_per_s"] for g in (False, True)),
+            "mean_accepted_length": pick[(True, "fixed")]["mean_accepted_length"],
+            "fixed_ceiling_compiled": ceiling(pick[(True, "plain")], pick[(True, "fixed")], requests(concurrency))
+            if concurrency == 1 else None,
         }
         print(concurrency, summary[str(concurrency)])
     return {"config": {"k": k, "new_tokens": new, "prompt_tokens": PROMPT_TOKENS, "speculative_config": spec,

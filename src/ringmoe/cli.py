@@ -217,7 +217,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--deterministic", action="store_true", help="bitwise-reproducible tokens whatever the batch")
     serve.add_argument("--speculative-config", metavar="JSON", default=None,
                        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup; --cp 1)')
+                            '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup) or '
+                            '\'{"method": "mtp"}\'; add "draft_length": "goodput" to keep, each step, only the '
+                            'drafts that raise its expected tokens per second')
     serve.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (default: one rank "
                        "compiles its decode step with torch.compile at start-up, ~10-40 s on a CPU)")
     serve.add_argument("--threads", type=_positive, default=None, help="intra-op threads per rank (default: the "

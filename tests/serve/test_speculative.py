@@ -13,6 +13,7 @@ from ringmoe.model import MoETransformer, preset
 from ringmoe.parallel import make_mesh
 from ringmoe.parallel.launch import spawn
 from ringmoe.serve import Engine, SamplingParams
+from ringmoe.serve.draft_budget import GoodputBudget
 from ringmoe.serve.metrics import ServerMetrics
 from ringmoe.serve.speculative import NgramDrafter, SpeculationStats, SpeculativeConfig, verify_drafts
 
@@ -242,7 +243,9 @@ def _mesh_rank(rank, world, family, cp, ep, want):
         engine.run_worker()
         return None
     runs = []
-    for drafter in (Oracle(PROMPTS, want), Oracle(PROMPTS, want, wrong=True), None):
+    for drafter in (Oracle(PROMPTS, want), Oracle(PROMPTS, want, wrong=True), None, "goodput"):
+        if drafter == "goodput":  # n-gram lookup again, each step keeping the drafts that pay (the driver's choice)
+            engine.draft_budget, drafter = GoodputBudget(), engine.speculative_config.drafter()
         before = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
         got = _decode(engine, drafter=drafter, check_every_step=False)
         runs.append((got, engine.spec_stats.num_draft_tokens - before[0],
@@ -255,13 +258,14 @@ def _mesh_rank(rank, world, family, cp, ep, want):
 def test_speculation_on_a_mesh_gives_the_same_tokens(family, cp, ep):
     """Drafts verified through the all-to-all (ep) and through the ring-sharded cache (cp: the drafts' K/V written
     round-robin over the cp ranks, each row attending to the positions up to its own on every rank, the parts
-    merged; gpt-oss's windows and sinks): every draft accepted, every one rejected, n-gram lookup."""
+    merged; gpt-oss's windows and sinks): every draft accepted, every one rejected, n-gram lookup, and n-gram lookup
+    with the drafts chosen by the goodput rule."""
     want, want_logprobs = _decode(Engine(_model(family), block_size=4))
     for index, ((got, logprobs), drafted, accepted) in enumerate(spawn(_mesh_rank, cp * ep, family, cp, ep, want,
                                                                        timeout=240)[0]):
         assert got == want, index
         assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
-        assert drafted > 20 or index == 2
+        assert drafted > 20 or index >= 2
         assert accepted == (drafted if index == 0 else 0 if index == 1 else accepted)
 
 

@@ -46,6 +46,7 @@ from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
 from .mtp_drafter import MTPDrafter
+from .draft_budget import GoodputBudget
 from .speculative import SpeculationStats, SpeculativeConfig, can_speculate, check_finite, draw
 from .structured import grammar_masks
 
@@ -184,6 +185,8 @@ class Engine:
         self.drafter = self.mtp if self.mtp is not None else spec.drafter() if spec is not None else None
         self.spec_stats = SpeculationStats()  # since the start
         self._step_spec = SpeculationStats()  # this step
+        # draft_length "goodput": the drafts each step keeps, from the acceptance and step times measured here
+        self.draft_budget = GoodputBudget() if spec is not None and spec.draft_length == "goodput" else None
 
     @classmethod
     def from_checkpoint(cls, path, mesh=None, dtype: torch.dtype | None = None, layout: str = "zigzag",
@@ -291,6 +294,7 @@ class Engine:
         plan = [[self._work_item(g, request, count, batch.copies) for request, count in batch.items]
                 for g, batch in enumerate(batches)]
         outputs: list[RequestOutput] = []
+        decode_rows = self._decode_rows(batches) if self.draft_budget is not None else 0
         reports, rank_stats = self.run_plan(plan) if any(plan) else ({}, [])
         for g, batch in enumerate(batches):
             for request, count in batch.items:
@@ -329,7 +333,10 @@ class Engine:
                         del self._members[out.group_id]
         if self.mtp is not None:  # the MTP module reads what this step computed and drafts for the next one
             self.mtp.after_step(plan, reports)
-        self.last_stats = self._stats(batches, rank_stats, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if decode_rows:
+            self.draft_budget.observe_step(decode_rows, seconds)
+        self.last_stats = self._stats(batches, rank_stats, seconds)
         self.last_stats.speculation = self._step_spec
         self.last_stats.generated_tokens = sum(len(out.new_token_ids) for out in outputs)
         self.num_preemptions += self.last_stats.preempted
@@ -337,7 +344,8 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         """Drafts for every running request about to decode one token (``can_speculate``), as many as its
-        max_tokens and the context limit leave after the token the step yields anyway."""
+        max_tokens and the context limit leave after the token the step yields anyway (draft_length "goodput":
+        then as many of them as raise the step's expected tokens per second, over every ep group's requests)."""
         k = self.speculative_config.num_speculative_tokens
         limit = self.speculative_config.disable_by_batch_size
         for group in self.groups:
@@ -351,6 +359,22 @@ class Engine:
                 if room > 0:
                     request.draft_ids = (self.mtp.propose(request, room) if self.mtp is not None
                                          else self.drafter.propose(request.all_ids, room))
+        if self.draft_budget is not None:  # the drafts that raise the step's expected tokens per second
+            running = [request for group in self.groups for request in group.running]
+            drafted = [request for request in running if request.draft_ids]
+            kept = self.draft_budget.lengths([len(r.draft_ids) for r in drafted], len(running),
+                                             [r.request_id for r in drafted])
+            for request, count in zip(drafted, kept):
+                request.draft_ids = request.draft_ids[:count]
+
+    @staticmethod
+    def _decode_rows(batches) -> int:
+        """The rows of a decode-only step (every item one generated token and its drafts); 0 for any other."""
+        items = [(request, count) for batch in batches for request, count in batch.items]
+        if not items or not all(count == 1 + len(request.draft_ids) and request.output_ids
+                                and request.num_computed == request.num_tokens - 1 for request, count in items):
+            return 0
+        return sum(count for _, count in items)
 
     def draft_room(self, request: Request, group: int) -> int:
         """How many drafts ``request`` may carry: its max_tokens and the context limit, after the token the step
@@ -386,6 +410,9 @@ class Engine:
             accepted += 1
         for stats in (self.spec_stats, self._step_spec):
             stats.record(len(drafts), accepted)
+        if self.draft_budget is not None:
+            self.draft_budget.observe_acceptance(  # a finished request's counts are gone with it
+                len(drafts), accepted, request.request_id if request.status != Status.FINISHED else None)
         if request.status != Status.FINISHED:
             group = self.groups[self._group_of[request.request_id]]
             group.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
@@ -618,6 +645,8 @@ class Engine:
         self.groups[self._group_of.pop(request.request_id)].remove(request)
         request.status, request.finish_reason = Status.FINISHED, reason
         request.finished_at = time.monotonic()
+        if self.draft_budget is not None:
+            self.draft_budget.forget(request.request_id)
 
     def _stats(self, batches, rank_stats: list[dict], seconds: float) -> StepStats:
         groups = self.groups

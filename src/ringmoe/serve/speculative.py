@@ -38,6 +38,7 @@ MAX_LOOKUP = 64
 
 METHODS = ("ngram", "mtp")
 DEFAULT_TOKENS = {"ngram": 4, "mtp": 1}  # DeepSeek-V3 ships one MTP module: one draft is what it was trained for
+DRAFT_LENGTHS = ("fixed", "goodput")
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,16 @@ class SpeculativeConfig:
     prediction module, drafting one token per pass of it), num_speculative_tokens (default 4 for ngram, 1 for mtp),
     prompt_lookup_min/max (ngram), and disable_by_batch_size: no drafts in a step whose ep group runs at least this
     many requests (where a step is compute-bound, verifying k + 1 tokens per request costs more than the accepted
-    drafts save; None: always)."""
+    drafts save; None: always).  draft_length (ringmoe's): "fixed" verifies every draft proposed (up to
+    num_speculative_tokens, vLLM's behaviour); "goodput" keeps, each step, the drafts that raise the step's expected
+    tokens per second, from the acceptance and step times measured as the engine runs (``draft_budget.py``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
+    draft_length: str = "fixed"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -68,6 +72,9 @@ class SpeculativeConfig:
         limit = self.disable_by_batch_size
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be a positive int, got {limit!r}")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_config.draft_length must be one of {DRAFT_LENGTHS}, got "
+                             f"{self.draft_length!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -84,7 +91,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config must be a JSON object: {error}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                 "draft_length"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {sorted(known)}")
