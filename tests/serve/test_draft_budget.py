@@ -123,11 +123,15 @@ def test_step_cost_reads_between_and_past_the_measured_row_counts():
     assert budget.cost(4) == pytest.approx(3.5)
 
 
-def test_every_sixteenth_choice_keeps_every_draft():
-    """A row count the rule stopped using is measured again: every EXPLORE_EVERY-th choice with drafts keeps all."""
+def test_every_sixteenth_choice_keeps_one_draft_more():
+    """A row count the rule stopped at is measured again: every EXPLORE_EVERY-th choice with drafts keeps the next
+    draft the rule turned down (the likeliest: request 5's, whose own drafts were all accepted)."""
     budget = _budget([(10, 5)], {16: 1.0, 17: 1.06})
-    kept = [budget.lengths([1] * 16, 16) for _ in range(2 * EXPLORE_EVERY)]
-    explored = [i for i, k in enumerate(kept) if k == [1] * 16]
+    budget.observe_acceptance(1, 1, "r5")
+    ids = [f"r{j}" for j in range(16)]
+    kept = [budget.lengths([1] * 16, 16, ids) for _ in range(2 * EXPLORE_EVERY)]
+    one_more = [0] * 5 + [1] + [0] * 10
+    explored = [i for i, k in enumerate(kept) if k == one_more]
     assert explored == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
     assert all(k == [0] * 16 for i, k in enumerate(kept) if i not in explored)
     assert budget.lengths([0] * 16, 16) == [0] * 16  # nothing proposed: not a choice

@@ -21,7 +21,8 @@ here as the engine runs:
   its drafts) that ran with that many rows (a median: one step stalled by the collector or another process must not
   price a row count out for good), read between measured counts linearly; a count past the largest measured is
   read with the slope of the two largest (none measured yet: drafts are all kept, which measures them).  A count
-  the rule stops using is measured no more, so every ``EXPLORE_EVERY``-th step with drafts keeps them all.
+  the rule stops using is measured no more, so every ``EXPLORE_EVERY``-th step with drafts keeps the next draft the
+  rule turned down too (one row: the count the rule stopped at is measured again, at the cost of one row).
 
 Drafts are added one at a time, the likeliest first (a request's draft i + 1 only after its draft i): a draft with
 acceptance probability p, added to a step of r rows yielding T expected tokens, raises the goodput when
@@ -41,7 +42,7 @@ __all__ = ["GoodputBudget"]
 PRIOR = 1.0  # pseudo-counts: one acceptance in two before anything is measured
 REQUEST_PRIOR = 4.0  # pseudo-counts of the engine-wide estimate in a request's own
 WINDOW = 15  # a row count's cost: the median of its last this many steps
-EXPLORE_EVERY = 16  # every this many choices with drafts proposed, all are kept (their costs measured again)
+EXPLORE_EVERY = 16  # every this many choices with drafts proposed, one draft more than the rule's is kept
 
 
 class GoodputBudget:
@@ -113,11 +114,11 @@ class GoodputBudget:
     def lengths(self, proposals: list[int], rows: int, request_ids: list[str] | None = None) -> list[int]:
         """How many of its drafts each request keeps: ``proposals[j]`` drafts proposed for request j (whose id is
         ``request_ids[j]``), ``rows`` the step's rows without drafts (one per request it runs)."""
+        if self.cost(rows) is None:
+            return list(proposals)
         if any(proposals):
             self.choices += 1
         explore = self.explore_every is not None and any(proposals) and self.choices % self.explore_every == 0
-        if self.cost(rows) is None or explore:
-            return list(proposals)
         ids = request_ids if request_ids is not None else [None] * len(proposals)
         probabilities = [self.acceptance(count, request_id) for count, request_id in zip(proposals, ids)]
         kept = [0] * len(proposals)
@@ -130,6 +131,8 @@ class GoodputBudget:
                 return kept
             p, longer = probabilities[best][kept[best]], self.cost(rows + 1)
             if (tokens + p) * step <= tokens * longer:  # it would not raise tokens per second
+                if explore:  # one row more than the rule keeps: the cost it stopped at, measured again
+                    kept[best] += 1
                 return kept
             kept[best] += 1
             tokens, step, rows = tokens + p, longer, rows + 1
