@@ -203,11 +203,11 @@ def requests(concurrency: int) -> int:
     return max(4, 3 * concurrency)
 
 
-def ceiling(plain: dict, drafted: dict, requests: int) -> float:
-    """At one request at a time, the speed-up the accepted drafts would give if a step carrying drafts cost what a
-    step without them does: the plain run spends its time less the prompts' prefill on one step per output token
-    after each request's first, and the run with drafts needs ``accepted_tokens`` fewer of those steps."""
-    decode_tokens = plain["output_tokens"] - requests
+def ceiling(plain: dict, drafted: dict, count: int) -> float:
+    """At one request at a time (``count`` requests), the speed-up the accepted drafts would give if a step carrying
+    drafts cost what a step without them does: the plain run spends its time less the prompts' prefill on one step
+    per output token after each request's first, and the run with drafts needs ``accepted_tokens`` fewer steps."""
+    decode_tokens = plain["output_tokens"] - count
     decode_s = plain["seconds"] - plain["prefill_seconds"]
     steps = decode_tokens - drafted["accepted_tokens"]
     return plain["seconds"] / (plain["prefill_seconds"] + decode_s * steps / decode_tokens)
