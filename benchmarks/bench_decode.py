@@ -87,13 +87,16 @@ def step_cost(model: MoETransformer, batch: int, context: int) -> tuple[float, f
 
 def host_shares(engine: Engine, rounds: int = 4, steps: int = 8) -> tuple[float, float]:
     """(host-overhead share, the same timed under the profiler) over ``rounds`` rounds of ``steps`` plain steps
-    then ``steps`` profiled ones (interleaved, so a machine that drifts in speed moves both sides alike).
+    then ``steps`` profiled ones (interleaved, so a machine that drifts in speed moves both sides alike; each
+    round's plain steps after as many untimed ones).
     Compute: the time the profiler finds in the compute kernels (matmuls, attention, the compiled graph's own
     code), over the wall time of the plain steps, or of the profiled ones."""
     from torch.profiler import ProfilerActivity, profile
 
     compute = plain = profiled = 0.0
     for _ in range(rounds):
+        for _ in range(steps):  # untimed: after the profiler's bookkeeping the first steps run slow (the OpenMP
+            engine.step()       # workers asleep, the caches cold: a batch-1 step's first ~2x, its next ~1.3x)
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()

@@ -176,6 +176,58 @@ def test_steps_the_graph_cannot_run_take_the_eager_path():
     assert [[c.token for c in o.logprobs] for o in static] == [[c.token for c in o.logprobs] for o in eager]
 
 
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_the_graphs_greedy_choices_are_plain_batchs(mode):
+    """Graph steps choose as eager steps do: the tokens are the eager engine's, the chosen tokens'
+    log-probabilities (``logprobs=0``) agree to float32 rounding, and sampled rows next to greedy ones draw as
+    the eager engine draws them."""
+    model = _model("tiny", torch.float32)
+    prompts = _prompts(4, seed=31)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def choices(engine, params):  # every request's choices, step by step
+        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        seen = {i: [] for i in ids}
+        while engine.has_unfinished:
+            for out in engine.step():
+                seen[out.request_id] += out.logprobs
+        return [seen[i] for i in ids]
+
+    for params in ([greedy] * 4, [greedy, sampled, greedy, sampled]):
+        eager = choices(Engine(model), params)
+        engine = Engine(model, decode_graph=mode)
+        graph = choices(engine, params)
+        assert engine.runner.decode_graph.steps > 0
+        for a, b in zip(eager, graph):
+            assert [c.token for c in b] == [c.token for c in a] and len(a) == 8
+            torch.testing.assert_close(torch.tensor([c.logprob for c in b]), torch.tensor([c.logprob for c in a]),
+                                       rtol=0, atol=1e-5)
+            assert all(c.logprob < 0 for c in b)
+
+
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_nan_logits_in_a_graph_step_end_only_their_request(mode):
+    """A request whose decode reads a NaN (its first generated token's embedding) ends with an error in a graph
+    step; the other requests of that step go on with the eager engine's tokens."""
+    model = _model("tiny", torch.float32)
+    prompts = _prompts(3, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    clean = [o.output_ids for o in Engine(model).generate(prompts, params)]
+    poison = clean[0][0]
+    others = prompts[1:] + clean[1:]
+    assert all(poison not in ids for ids in others)  # the seed's prompts and tokens leave request 0 alone
+    poisoned = _model("tiny", torch.float32)
+    with torch.no_grad():
+        poisoned.embed_tokens.weight[poison] = float("nan")
+    engine = Engine(poisoned, decode_graph=mode)
+    out = engine.generate(prompts, params)
+    assert engine.runner.decode_graph.steps > 0
+    assert out[0].finish_reason == "error" and "NaN" in out[0].error and out[0].output_ids == clean[0][:1]
+    assert [o.output_ids for o in out[1:]] == clean[1:]
+    assert engine.requests == {}
+
+
 @pytest.mark.parametrize("pads", [True, False])
 def test_moe_statistics_count_the_real_rows_only(pads):
     """The graph's expert counts are the eager step's, and padding rows never reach them: three decodes (padded

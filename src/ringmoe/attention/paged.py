@@ -184,10 +184,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     past a row's context, and before its window, are masked; K/V heads are shared without copies.
 
     ``new``: every row's K and V (n, kv_heads, D), not in the cache yet (the caller writes them after this
-    read).  ``fresh`` (n, n) bool: the rows whose new keys row r sees (default: its own only); they are the last
-    positions of r's context, so r reads contexts[r] - fresh[r].sum() keys from the cache.  Several rows of one
-    sequence (a token and its speculative drafts, consecutive positions) so see each other causally: row j of a
-    group sees the group's rows 0 .. j.  The cached keys are attended as above and the new ones join by the
+    read).  ``fresh`` (n, band) bool: fresh[r, j] says row r sees the new key of row r - j (j = 0: its own,
+    always; default: its own only, band 1); they are the last positions of r's context, so r reads contexts[r] -
+    fresh[r].sum() keys from the cache.  Several rows of one sequence (a token and its speculative drafts,
+    consecutive positions and rows) so see each other causally: row j of a group sees the group's rows 0 .. j.
+    Each row gathers only its band of new keys: no product mixes rows it does not see (a NaN in one request's
+    K/V never reaches another's output).  The cached keys are attended as above and the new ones join by the
     online-softmax merge: with c = logsumexp of the cached scores and f that of the new keys' scores,
     lse = logaddexp(c, f), out = exp(c - lse) out_cached + exp(f - lse) out_new (exact; a row with no cached
     key has c = -inf).  In a compiled graph this keeps the gather of the cache apart from the write into it
@@ -208,7 +210,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     values = read_cache(v_cache, flat, v_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
     position = torch.arange(length, device=q.device)
     if new is not None and fresh is None:
-        fresh = torch.eye(n, dtype=torch.bool, device=q.device)
+        fresh = torch.ones(n, 1, dtype=torch.bool, device=q.device)
     cached = contexts[:, None] - (0 if new is None else fresh.sum(1, keepdim=True))  # keys to read from the cache
     visible = position[None] < cached
     if window_left >= 0:
@@ -229,14 +231,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
     out = torch.matmul(torch.exp(scores - finite[..., None]), values)                    # (n, Hkv, G, D)
     if new is not None:
-        new_k, new_v = new[0].to(acc), new[1].to(acc)                                      # (n, Hkv, D)
-        seen = fresh  # a new key at position contexts[s] - 1, inside row r's window when >= contexts[r] - 1 - left
+        band = fresh.shape[1]
+        source = (torch.arange(n, device=q.device)[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
+        seen = fresh  # row s's new key sits at contexts[s] - 1, inside row r's window when >= contexts[r] - 1 - left
         if window_left >= 0:
-            seen = seen & (contexts[None, :] >= contexts[:, None] - window_left)
-        new_scores = torch.einsum("rhgd,shd->rhgs", qg, new_k) * scale                 # (n, Hkv, G, n)
+            seen = seen & (contexts[source] >= contexts[:, None] - window_left)
+        new_k = new[0].to(acc)[source]                                                    # (n, band, Hkv, D)
+        new_v = new[1].to(acc)[source].masked_fill(~seen[:, :, None, None], 0.0)        # unseen: 0, not 0 * NaN
+        new_scores = torch.einsum("rhgd,rjhd->rhgj", qg, new_k) * scale                 # (n, Hkv, G, band)
         new_scores = new_scores.masked_fill(~seen[:, None, None, :], float("-inf"))
         new_lse = torch.logsumexp(new_scores, dim=-1)                   # finite: every row sees its own key
-        new_out = torch.einsum("rhgs,shd->rhgd", torch.exp(new_scores - new_lse[..., None]), new_v)
+        new_out = torch.einsum("rhgj,rjhd->rhgd", torch.exp(new_scores - new_lse[..., None]), new_v)
         merged = torch.logaddexp(lse, new_lse)
         out = out * torch.exp(lse - merged)[..., None] + new_out * torch.exp(new_lse - merged)[..., None]
         lse = merged

@@ -218,11 +218,12 @@ class MoELayer(nn.Module):
             y = y + self.shared(x)
         return y.to(x.dtype), routing
 
-    def record(self, routing: Routing, counts: torch.Tensor) -> None:
-        """``last_stats`` of a ``forward_static`` call: the routing of its real rows and their assignments per
-        expert, counts (E,) int64 (dropless; the decode step counts them inside its graph)."""
+    def record(self, counts: torch.Tensor) -> None:
+        """``last_stats`` of a ``forward_static`` call from its real rows' assignments per expert, counts (E,)
+        int64 (dropless; the decode step counts them inside its graph and keeps the routing there: serving reads
+        the counts only, and each tensor a graph returns costs its caller host time)."""
         self.last_stats = MoEStats(tokens_per_expert=counts, routed_per_expert=counts, dropped_assignments=0,
-                                   dropped_tokens=0, routing=routing, num_experts=self.num_experts)
+                                   dropped_tokens=0, routing=None, num_experts=self.num_experts)
 
     @torch.no_grad()
     def load_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:

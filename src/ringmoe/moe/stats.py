@@ -19,7 +19,8 @@ class MoEStats:
     tokens_per_expert: (E,) int64 assignments kept per expert; routed_per_expert: before capacity.
     dropped_assignments / dropped_tokens: lost to capacity (a dropped token keeps only its residual).
     aux_loss, z_loss: scalar tensors with gradients, and ``router_sums``: computed from the call's routing
-    when first read (serving never reads them, so it never pays for them).  imbalance: max / mean routed
+    when first read (serving never reads them, so it never pays for them; a compiled decode step keeps no
+    routing: ``routing`` None, and reading them raises).  imbalance: max / mean routed
     load.  Expert parallelism adds (else None): tokens_per_rank (P,) assignments each rank's
     experts computed (dropped ones never travel), rank_imbalance (max / mean of those),
     and ``timings``: seconds in route / dispatch / experts / combine on this rank
@@ -37,7 +38,7 @@ class MoEStats:
     routed_per_expert: torch.Tensor
     dropped_assignments: int
     dropped_tokens: int
-    routing: "Routing" = field(repr=False)
+    routing: "Routing | None" = field(repr=False)
     num_experts: int
     tokens_per_rank: torch.Tensor | None = None
     rank_imbalance: float | None = None
@@ -50,15 +51,20 @@ class MoEStats:
 
     @cached_property
     def aux_loss(self) -> torch.Tensor:
-        return load_balancing_loss(self.routing.probs, self.routing.topk_idx, self.num_experts)
+        return load_balancing_loss(self._routing().probs, self._routing().topk_idx, self.num_experts)
 
     @cached_property
     def z_loss(self) -> torch.Tensor:
-        return router_z_loss(self.routing.logits)
+        return router_z_loss(self._routing().logits)
 
     @cached_property
     def router_sums(self) -> "RouterSums":
-        return RouterSums.of(self.routing, self.num_experts)
+        return RouterSums.of(self._routing(), self.num_experts)
+
+    def _routing(self) -> "Routing":
+        if self.routing is None:
+            raise ValueError("this call kept no routing (a compiled decode step): its router losses are unknown")
+        return self.routing
 
 
 @dataclass

@@ -11,10 +11,10 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   every count of a range reuses one graph, and a batch of 20 padded to 32 would compute 60% more;
 - the paged attention (``paged_decode``: blocks gathered by table, keys past a row's context masked, the
   row's own new key merged by the online softmax) is tensor ops inside the graph, as are the router and
-  the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph
-  only reads the cache: every layer's new K/V, the routing of the rows and each MoE layer's assignments per
-  expert over the real rows come out of it, and after it the K/V are written at each row's slot
-  (``index_copy_``) and the counts become the MoE statistics, once per step.  The rows' integers (token,
+  the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph only
+  reads the cache: the rows' final states, every layer's new K/V and each MoE layer's assignments per expert over
+  the real rows come out of it (three tensors), and after it the K/V are written at each row's slot
+  (``index_copy_``) and the counts become the MoE statistics, once per step.  The LM head runs after it, eager.  The rows' integers (token,
   position, context length, real or padding, slot) travel as one (5, B) tensor: one copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules: ``compile_options``) treats the
@@ -25,7 +25,8 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
 
 Speculative decoding: an item of a token and its k drafts (positions p .. p + k) becomes k + 1 rows that share
 the request's block table and read its cache up to p - 1; the rows' new keys join causally within the item
-(``paged_decode``'s ``fresh``: row j sees the item's rows 0 .. j), so the drafts are verified by the same
+(``paged_decode``'s ``fresh``: row j sees the item's rows 0 .. j, each row gathering the new keys of the
+``band`` rows up to it), so the drafts are verified by the same
 compiled graph as plain decodes, and the step reports every row's hidden state for the item.
 
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
@@ -108,18 +109,18 @@ class TableAttention:
 
 # the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
 IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
-
-
 def _decode_step(model, meta, tables, fresh, k_caches, v_caches, kv_scales):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
     real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, B) bool.
-    -> (hidden (B, hidden), the MoE layers' routings, their expert counts over the real rows (moe layers,
-    experts) int64, every layer's new K and V as the cache stores them)."""
+    -> (hidden (B, hidden), the MoE layers' expert counts over the real rows (moe layers, experts) int64 (None
+    without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays
+    host time per tensor a compiled graph returns (a step's 26 outputs cost ~10% of a batch-1 step)."""
     attention = TableAttention(model, k_caches, v_caches, tables, meta[CONTEXTS], fresh, kv_scales)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
     real = meta[REAL]
     counts = [(F.one_hot(r.topk_idx, r.probs.shape[-1]) * real[:, None, None]).sum((0, 1)) for r in routings]
-    return hidden, routings, torch.stack(counts) if counts else None, attention.new_kv
+    new_kv = torch.stack([torch.stack(pair) for pair in attention.new_kv])
+    return hidden, torch.stack(counts) if counts else None, new_kv
 
 
 class DecodeGraph:
@@ -136,6 +137,9 @@ class DecodeGraph:
         # (a batch of one is specialised by torch.compile: its own graph)
         self.fn = torch.compile(_decode_step, dynamic=True, options=compile_options(runner.device)) if compile \
             else _decode_step
+        # new keys a row may see: its own and those of the band - 1 rows before it (its item's token and drafts);
+        # the engine sets 1 + its drafts per request before ``warm_up`` (a constant of the compiled graph)
+        self.band = 1
         self.steps = 0  # decode steps run through the graph
         self.drafts_verified = 0  # speculative draft tokens the graph has verified
         self._identities: dict[int, torch.Tensor] = {}
@@ -170,8 +174,11 @@ class DecodeGraph:
         meta = torch.zeros(5, rows, dtype=torch.long, device=runner.device)
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
-        self.fn(runner.model, meta, tables, torch.eye(rows, dtype=torch.bool, device=runner.device),
-                runner.k_cache, runner.v_cache, runner.kv_scales)
+        fresh = torch.zeros(rows, self.band, dtype=torch.bool, device=runner.device)
+        fresh[:, 0] = True
+        if self.band > 1:
+            torch._dynamo.mark_static(fresh, 1)
+        self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache, runner.kv_scales)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -183,18 +190,20 @@ class DecodeGraph:
                     sizes |= {edge - 1, edge}
         return sorted(size for size in sizes if 1 <= size <= max_rows)
 
-    def _identity(self, rows: int) -> torch.Tensor:
-        """(rows, rows) bool identity on the runner's device, made once per bucket."""
+    def _own_keys(self, rows: int) -> torch.Tensor:
+        """(rows, 1) bool, all True (each row sees its own new key), on the runner's device, made once per size."""
         if rows not in self._identities:
-            self._identities[rows] = torch.eye(rows, dtype=torch.bool, device=self.runner.device)
+            self._identities[rows] = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
         return self._identities[rows]
 
     @staticmethod
     def accepts(runner, items: list) -> bool:
         """Every item one generated token of a paged request (and its drafts, if any), nothing else asked of the
         step."""
+        band = runner.decode_graph.band if runner.decode_graph is not None else 1
         return bool(items) and not runner.deterministic and runner.model.static_ready and all(
-            item.kind == "paged" and len(item.token_ids) == 1 + item.drafts and (item.generated or item.drafts)
+            item.kind == "paged" and len(item.token_ids) == 1 + item.drafts < 1 + band
+            and (item.generated or item.drafts)
             and not item.copies and item.report_all == bool(item.drafts) for item in items)
 
     def run(self, items: list) -> dict:
@@ -220,25 +229,24 @@ class DecodeGraph:
         # padding rows decode token 0 at position 0 into the scratch block
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
                              [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long)
-        if real == len(items):  # no drafts: each row sees its own new key only
-            fresh = self._identity(rows)
-        else:  # row r sees the new keys of the rows of its own item up to its own position (padding: themselves)
+        if self.band == 1:  # no drafts: each row sees its own new key only
+            fresh = self._own_keys(rows)
+        else:  # row r sees the new keys of the rows r - j of its own item (padding: themselves)
             group = torch.tensor(owner + list(range(len(items), len(items) + pad)))
-            position = meta[POSITIONS]
-            fresh = ((group[:, None] == group[None, :]) & (position[None, :] <= position[:, None])).to(runner.device)
+            back = torch.arange(rows)[:, None] - torch.arange(self.band)
+            fresh = ((back >= 0) & (group[back.clamp(min=0)] == group[:, None])).to(runner.device)
+            torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
-        hidden, routings, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache,
-                                                   runner.kv_scales)
+        hidden, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache,
+                                         runner.kv_scales)
         slots = meta[SLOTS]
-        for (k, v), k_cache, v_cache in zip(new_kv, runner.k_cache, runner.v_cache):
+        for layer, (k_cache, v_cache) in enumerate(zip(runner.k_cache, runner.v_cache)):
+            k, v = new_kv[layer]
             k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
-        for block, routing, count in zip(self.moe_blocks, routings, counts if counts is not None else ()):
-            if pad:
-                routing = type(routing)(*(t[:real] for t in (routing.logits, routing.probs, routing.topk_idx,
-                                                             routing.topk_weight)))
-            block.record(routing, count)
+        for block, count in zip(self.moe_blocks, counts if counts is not None else ()):
+            block.record(count)
         self.steps += 1
         self.drafts_verified += real - len(items)
         reports, first = {}, 0

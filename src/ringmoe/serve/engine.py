@@ -142,9 +142,11 @@ class Engine:
         num_blocks = -(-kv_cache_tokens // block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic, decode_graph, kv_cache_dtype)
         self.compile_seconds = 0.0
+        # with speculation a step verifies up to 1 + k tokens of every running request
+        per_request = 1 + (self.speculative_config.num_speculative_tokens if self.drafter is not None else 0)
+        if self.runner.decode_graph is not None:
+            self.runner.decode_graph.band = per_request
         if decode_graph == "compiled" and self.runner.decode_graph is not None and not deterministic:
-            # with speculation a step verifies up to 1 + k tokens of every running request
-            per_request = 1 + (self.speculative_config.num_speculative_tokens if self.drafter is not None else 0)
             self.compile_seconds = self.runner.decode_graph.warm_up(max_num_seqs * per_request)
             log.info("decode step compiled in %.1f s", self.compile_seconds)
         self.record_steps = record_steps
