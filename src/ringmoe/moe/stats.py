@@ -51,7 +51,8 @@ class MoEStats:
 
     @cached_property
     def aux_loss(self) -> torch.Tensor:
-        return load_balancing_loss(self._routing().probs, self._routing().topk_idx, self.num_experts)
+        routing = self._routing()
+        return load_balancing_loss(routing.probs, routing.topk_idx, self.num_experts)
 
     @cached_property
     def z_loss(self) -> torch.Tensor:

@@ -14,8 +14,9 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph only
   reads the cache: the rows' final states, every layer's new K/V and each MoE layer's assignments per expert over
   the real rows come out of it (three tensors), and after it the K/V are written at each row's slot
-  (``index_copy_``) and the counts become the MoE statistics, once per step.  The LM head runs after it, eager.  The rows' integers (token,
-  position, context length, real or padding, slot) travel as one (5, B) tensor: one copy from the host;
+  (``index_copy_``) and the counts become the MoE statistics, once per step (the LM head runs after it, eager).
+  The rows' integers (token, position, context length, real or padding, slot) travel as one (5, B) tensor: one
+  copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules: ``compile_options``) treats the
   batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
@@ -109,12 +110,15 @@ class TableAttention:
 
 # the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
 IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
+
+
 def _decode_step(model, meta, tables, fresh, k_caches, v_caches, kv_scales):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
-    real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, B) bool.
-    -> (hidden (B, hidden), the MoE layers' expert counts over the real rows (moe layers, experts) int64 (None
-    without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays
-    host time per tensor a compiled graph returns (a step's 26 outputs cost ~10% of a batch-1 step)."""
+    real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
+    (``paged_decode``'s).  -> (hidden (B, hidden), the MoE layers' expert counts over the real rows (moe layers,
+    experts) int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B,
+    kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays host time per tensor a compiled graph
+    returns (the 26 outputs this step had, routings and K/V apart, cost ~10% of a batch-1 step)."""
     attention = TableAttention(model, k_caches, v_caches, tables, meta[CONTEXTS], fresh, kv_scales)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
     real = meta[REAL]
@@ -142,7 +146,7 @@ class DecodeGraph:
         self.band = 1
         self.steps = 0  # decode steps run through the graph
         self.drafts_verified = 0  # speculative draft tokens the graph has verified
-        self._identities: dict[int, torch.Tensor] = {}
+        self._own_keys: dict[int, torch.Tensor] = {}  # band 1: ``_fresh`` per row count
 
     @torch.no_grad()
     def warm_up(self, max_rows: int) -> float:
@@ -174,11 +178,8 @@ class DecodeGraph:
         meta = torch.zeros(5, rows, dtype=torch.long, device=runner.device)
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
-        fresh = torch.zeros(rows, self.band, dtype=torch.bool, device=runner.device)
-        fresh[:, 0] = True
-        if self.band > 1:
-            torch._dynamo.mark_static(fresh, 1)
-        self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache, runner.kv_scales)
+        self.fn(runner.model, meta, tables, self._fresh(list(range(rows))), runner.k_cache, runner.v_cache,
+                runner.kv_scales)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -190,19 +191,27 @@ class DecodeGraph:
                     sizes |= {edge - 1, edge}
         return sorted(size for size in sizes if 1 <= size <= max_rows)
 
-    def _own_keys(self, rows: int) -> torch.Tensor:
-        """(rows, 1) bool, all True (each row sees its own new key), on the runner's device, made once per size."""
-        if rows not in self._identities:
-            self._identities[rows] = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
-        return self._identities[rows]
+    def _fresh(self, group: list[int]) -> torch.Tensor:
+        """(rows, band) bool on the runner's device: row r sees the new key of row r - j when both rows are of one
+        item (``group``: each row's item, padding rows each their own).  Band 1 (no drafts): all True, made once
+        per row count."""
+        rows = len(group)
+        if self.band == 1:
+            if rows not in self._own_keys:
+                self._own_keys[rows] = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
+            return self._own_keys[rows]
+        item = torch.tensor(group)
+        back = torch.arange(rows)[:, None] - torch.arange(self.band)
+        fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.runner.device)
+        torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
+        return fresh
 
     @staticmethod
     def accepts(runner, items: list) -> bool:
-        """Every item one generated token of a paged request (and its drafts, if any), nothing else asked of the
-        step."""
-        band = runner.decode_graph.band if runner.decode_graph is not None else 1
+        """Every item one generated token of a paged request (and its drafts, if any, no more than the graph's
+        band holds), nothing else asked of the step."""
         return bool(items) and not runner.deterministic and runner.model.static_ready and all(
-            item.kind == "paged" and len(item.token_ids) == 1 + item.drafts < 1 + band
+            item.kind == "paged" and len(item.token_ids) == 1 + item.drafts <= runner.decode_graph.band
             and (item.generated or item.drafts)
             and not item.copies and item.report_all == bool(item.drafts) for item in items)
 
@@ -229,13 +238,7 @@ class DecodeGraph:
         # padding rows decode token 0 at position 0 into the scratch block
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
                              [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long)
-        if self.band == 1:  # no drafts: each row sees its own new key only
-            fresh = self._own_keys(rows)
-        else:  # row r sees the new keys of the rows r - j of its own item (padding: themselves)
-            group = torch.tensor(owner + list(range(len(items), len(items) + pad)))
-            back = torch.arange(rows)[:, None] - torch.arange(self.band)
-            fresh = ((back >= 0) & (group[back.clamp(min=0)] == group[:, None])).to(runner.device)
-            torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
+        fresh = self._fresh(owner + list(range(len(items), len(items) + pad)))  # padding rows: items of their own
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
         hidden, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache,
