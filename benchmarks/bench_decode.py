@@ -17,8 +17,10 @@ median is reported with:
   the profiler also pays the profiler's recording of every op, most of them host-side ops: that share is
   reported too (``host_overhead_share_profiled``); on a machine whose speed drifts the two can swap places.
 
-Each batch runs twice: the eager step (``decode_graph="off"``) and the compiled decode graph
-(``decode_graph="compiled"``, its compile time reported); the ratio is the speed-up.
+Each batch runs three ways, side by side (``measure_modes``: steps in turns): the eager step (``decode_graph="off"``), the compiled decode graph
+(``decode_graph="compiled"``, its compile time reported; the ratio is the speed-up), and the compiled graph with
+one copy of the weights (``prepack_weights=False``: the eager products, the experts' sorted GEMMs of 32 and more
+tokens among them, through MKL instead of oneDNN's prepacked copies, ``ringmoe.prepacked``).
 
 Writes benchmarks/results/decode.json and decode.png.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from copy import deepcopy
 import sys
 import time
 from pathlib import Path
@@ -44,7 +47,10 @@ from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 PROMPT = 64
 # kernels that do the step's arithmetic; everything else in a step is overhead
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-               "aten::baddbmm", "aten::linear")
+               "aten::baddbmm", "aten::linear", "mkldnn::_linear_pointwise")
+# (label, Engine options) of the rows measured at each batch size
+MODES = {"off": dict(decode_graph="off"), "compiled": dict(decode_graph="compiled"),
+         "compiled, one weight copy": dict(decode_graph="compiled", prepack_weights=False)}
 GRAPH_CALL = "## Call CompiledFxGraph"
 
 
@@ -125,35 +131,56 @@ def _inside_graph(event) -> bool:
 
 def measure(model: MoETransformer, batch: int, steps: int, mode: str, max_num_seqs: int = 64, prompt: int = PROMPT,
             **engine_options) -> dict:
-    """The median decode step of ``batch`` requests with ``prompt``-token prompts (engine_options: e.g.
-    kv_cache_dtype)."""
-    engine = Engine(model, kv_cache_tokens=batch * (prompt + 3 * steps + 32) + 256,
-                    max_num_seqs=max(max_num_seqs, batch),
-                    max_num_batched_tokens=max(2048, batch * prompt), decode_graph=mode, **engine_options)
-    gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, model.config.vocab_size, (prompt,), generator=gen).tolist(), params)
-    while engine.last_stats.num_sequences != batch or engine.last_stats.batch_tokens != batch:
-        engine.step()  # prefill, until a step is one decode per request
-    for _ in range(8):  # warm-up
-        engine.step()
-    times = []
-    for _ in range(steps):
-        engine.step()
-        times.append(engine.last_stats.step_s)
-    share, share_profiled = host_shares(engine)
-    step_s = statistics.median(times)
-    flops, weight_bytes = step_cost(model, batch, prompt + 8 + steps)
-    return {"batch": batch, "mode": mode, "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s, "flops": flops,
-            "weight_bytes": weight_bytes, "host_overhead_share": share, "host_overhead_share_profiled": share_profiled,
-            "compile_s": engine.compile_seconds}
+    """The median decode step of ``batch`` requests with ``prompt``-token prompts; mode: a key of ``MODES``
+    (engine_options: more, e.g. kv_cache_dtype)."""
+    return measure_modes({mode: model}, batch, steps, max_num_seqs, prompt, **engine_options)[0]
+
+
+def measure_modes(models: dict[str, MoETransformer], batch: int, steps: int, max_num_seqs: int = 64,
+                  prompt: int = PROMPT, block: int = 16, **engine_options) -> list[dict]:
+    """``measure`` for several modes side by side: models maps each mode to its model (copies of one: a model's
+    prepacked copies and compiled graphs are its own); one engine per mode, all given the same requests, then
+    steps taken in turns, ``block`` steps of each engine at a time (the order alternating), so a machine whose
+    speed drifts moves every mode alike."""
+    engines, modes = [], list(models)
+    model = models[modes[0]]
+    for mode in modes:
+        engine = Engine(models[mode], kv_cache_tokens=batch * (prompt + 3 * steps + 32) + 256,
+                        max_num_seqs=max(max_num_seqs, batch),
+                        max_num_batched_tokens=max(2048, batch * prompt), **{**MODES[mode], **engine_options})
+        gen = torch.Generator().manual_seed(batch)
+        params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(torch.randint(0, model.config.vocab_size, (prompt,), generator=gen).tolist(), params)
+        while engine.last_stats.num_sequences != batch or engine.last_stats.batch_tokens != batch:
+            engine.step()  # prefill, until a step is one decode per request
+        engines.append(engine)
+    times: list[list[float]] = [[] for _ in modes]
+    for turn in range(-(-steps // block)):
+        order = list(enumerate(engines)) if turn % 2 == 0 else list(enumerate(engines))[::-1]
+        for i, engine in order:
+            for _ in range(4):  # untimed: the other engines' steps have cooled this one's caches
+                engine.step()
+            for _ in range(block):
+                engine.step()
+                times[i].append(engine.last_stats.step_s)
+    shares = [host_shares(engine) for engine in engines]  # each interleaves its own plain and profiled steps
+    rows = []
+    for mode, engine, mode_times, (share, share_profiled) in zip(modes, engines, times, shares):
+        step_s = statistics.median(mode_times)
+        flops, weight_bytes = step_cost(model, batch, prompt + 8 + steps)
+        rows.append({"batch": batch, "mode": mode, "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s,
+                     "flops": flops, "weight_bytes": weight_bytes, "host_overhead_share": share,
+                     "host_overhead_share_profiled": share_profiled, "compile_s": engine.compile_seconds,
+                     "prepacked_bytes": engine.runner.prepacked_bytes})
+    return rows
 
 
 def plot(data: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, label in (("off", "eager step"), ("compiled", "compiled decode graph")):
+    for mode, label in (("off", "eager step"), ("compiled", "compiled decode graph"),
+                        ("compiled, one weight copy", "compiled, without prepacked weights")):
         rows = [r for r in data["steps"] if r["mode"] == mode]
         ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label=label)
     ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "s--",
@@ -178,25 +205,28 @@ def main() -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = MoETransformer(preset("small")).eval().to(args.device)
+    models = {mode: model if i == 0 else deepcopy(model) for i, mode in enumerate(MODES)}  # (the same weights)
     rates = machine_rates(args.device)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        for mode in ("off", "compiled"):
-            row = measure(model, batch, args.steps, mode)
+        for row in measure_modes(models, batch, args.steps):
+            mode = row["mode"]
             row["compute_floor_ms"] = 1e3 * row["flops"] / rates["sgemm_flops"]
             row["bytes_floor_ms"] = 1e3 * row["weight_bytes"] / rates["copy_bytes_per_s"]
             row["floor_ms"] = max(row["compute_floor_ms"], row["bytes_floor_ms"])
             row["over_floor"] = row["step_ms"] / row["floor_ms"]
             rows.append(row)
-            print(f"batch {batch:3d} {mode:8s}: {row['step_ms']:.2f} ms/step ({row['tokens_per_s']:.0f} tok/s), "
+            print(f"batch {batch:3d} {mode:26s}: {row['step_ms']:.2f} ms/step ({row['tokens_per_s']:.0f} tok/s), "
                   f"floor {row['floor_ms']:.3f} ms ({row['over_floor']:.0f}x), host overhead "
                   f"{row['host_overhead_share']:.0%} ({row['host_overhead_share_profiled']:.0%} timed under the "
                   f"profiler)")
     eager = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "off"}
     speedup = {str(r["batch"]): eager[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
+    plain = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "compiled, one weight copy"}
+    prepack_speedup = {str(r["batch"]): plain[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
     data = {"model": "small preset, random weights, float32", "threads": 2, "device": args.device,
             "prompt_tokens": PROMPT,
-            "rates": rates, "steps": rows, "compiled_speedup": speedup,
+            "rates": rates, "steps": rows, "compiled_speedup": speedup, "prepacked_speedup": prepack_speedup,
             "compile_s": max(r["compile_s"] for r in rows)}
     out = write_results(args.name, data)
     plot(data, out.with_suffix(".png"))

@@ -6,7 +6,8 @@ multiplied alone (M = 1) and inside a batch (M = 2048) can differ in the last bi
 and multiplies them with one batched GEMM whose every item has the same shape, so each row is
 computed by the same kernel in the same order whatever surrounds it.  The serving engine's
 deterministic mode runs every step inside it (attention has its own fixed-tile path,
-``attention.paged``).  Outside it, ``linear`` is ``torch.nn.functional.linear``.
+``attention.paged``).  Outside it, ``linear`` is ``torch.nn.functional.linear``, or the product with the
+weight's oneDNN copy where it was prepacked (``prepacked``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import contextvars
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .prepacked import packed, packed_linear
 
 __all__ = ["batch_invariant", "tile_rows", "linear", "rowwise", "InvariantLinear"]
 
@@ -45,7 +48,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x (..., in) @ weight (out, in).T (+ bias), batch-invariant inside ``batch_invariant``."""
     rows = tile_rows()
     if rows is None:
-        return F.linear(x, weight, bias)
+        # one row by a weight stored input-major (the CPU engine's LM head): MKL's gemv streams it as fast
+        one_row = x.numel() == x.shape[-1] and weight.stride(0) == 1
+        matrices = None if one_row else packed(weight, x)
+        return F.linear(x, weight, bias) if matrices is None else packed_linear(x, matrices[0], bias)
     flat = x.reshape(-1, x.shape[-1])
     count = flat.shape[0]
     tiles = -(-count // rows)
@@ -81,3 +87,7 @@ class InvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def prepack_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights ``prepacked.prepack_module`` may pack (``linear`` uses the copy where it applies)."""
+        return (self.weight,)

@@ -222,6 +222,9 @@ def _add_serve(sub) -> None:
                             'drafts that raise its expected tokens per second')
     serve.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (default: one rank "
                        "compiles its decode step with torch.compile at start-up, ~10-40 s on a CPU)")
+    serve.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
+                       help="keep one copy of the weights (default with float32: a second copy in oneDNN's blocked "
+                       "layout for the eager products, decode steps of 32 requests ~1.3x faster on a CPU)")
     serve.add_argument("--threads", type=_positive, default=None, help="intra-op threads per rank (default: the "
                        "cores less one, left to the HTTP loop, shared among the ranks)")
     serve.add_argument("--engine-core", default="process", choices=["process", "thread"],
@@ -455,6 +458,7 @@ def _serve(args) -> int:
                            block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                            max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                            deterministic=args.deterministic, enforce_eager=args.enforce_eager, dtype=args.dtype,
+                           prepack_weights=args.prepack_weights,
                            quantization=args.quantization, threads=args.threads, engine_core=args.engine_core,
                            api_server_count=args.api_server_count,
                            limits=ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}),

@@ -95,3 +95,19 @@ def test_the_memory_estimate_applies_to_config_json(checkpoint):
     assert need >= 4 * 2**20 * per_token  # four ranks' KV caches at least
     with pytest.raises(ValueError, match="KV cache"):
         check_fits(options, config, available=int(need))
+
+
+def test_the_memory_estimate_counts_the_prepacked_copies(checkpoint):
+    """float32 serving keeps a oneDNN copy of the float matrices (``ringmoe.prepacked``): the estimate counts it
+    per rank and the refusal names the flag that drops it; --deterministic and --no-prepack-weights keep one copy."""
+    config = check_checkpoint(checkpoint)
+    def need(**options):
+        return check_fits(ServeOptions(model=str(checkpoint), kv_cache_tokens=4096, cp=2, ep=2, **options), config,
+                          available=2**40)
+    copies = config.prepacked_bytes(config.num_experts // 2, 4)
+    assert copies > 0
+    assert need() - need(prepack_weights=False) == pytest.approx(4 * copies)
+    assert need(deterministic=True) == need(prepack_weights=False)
+    with pytest.raises(ValueError, match="prepacked weights.*--no-prepack-weights"):
+        check_fits(ServeOptions(model=str(checkpoint), kv_cache_tokens=4096, cp=2, ep=2), config,
+                   available=int(need(prepack_weights=False)))

@@ -307,3 +307,28 @@ def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up():
             graph._run_scratch(1, 300)  # 4,800 keys: one sum over every key would be past LONG_SUM
             graph._run_scratch(1, LONG_SUM + 40)
         assert (counters["stats"]["unique_graphs"] > before) == compiles, blocks
+
+
+def test_two_models_of_the_same_shapes_each_run_their_own_graph():
+    """The graphs are compiled per model (``compiled_step``): a second model of the same shapes in the process
+    never runs the first one's graph, whose constants (its experts' operator keys among them) are the first
+    model's: steps of 2 and more rows in the sorted-GEMM form, each model's tokens and logits those of its own
+    eager step.  A model that is freed leaves the table of compiled steps."""
+    import gc
+
+    from ringmoe.serve import decode_graph
+
+    prompts = _prompts(4, seed=7)
+    for seed in (1, 2):
+        model = _model("tiny", torch.float32, seed=seed)
+        for _, layer in model.moe_layers():
+            layer.mlp.gathered_below = layer.mlp.dense_below = 2  # the operator's form from 2 rows
+        eager = _run(model, "off", prompts, new=6)
+        compiled = _run(model, "compiled", prompts, new=6, max_num_seqs=4)
+        assert compiled[2] > 0
+        _assert_same(eager, compiled, atol=2e-4)
+    assert decode_graph._COMPILED.get(model) is compiled[3].runner.decode_graph.fn
+    before = len(decode_graph._COMPILED)
+    del model, compiled
+    gc.collect()
+    assert len(decode_graph._COMPILED) == before - 1

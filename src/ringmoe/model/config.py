@@ -198,13 +198,27 @@ class ModelConfig:
         total = self.params_with_experts(experts_per_layer)
         if self.quantization is None:
             return total * width
+        quantized = self._quantized_params(experts_per_layer)
+        return (total - quantized) * width + quantized * self.quantization.bytes_per_value()
+
+    def _quantized_params(self, experts_per_layer: int) -> int:
+        """Values held quantized (``weight_bytes``'s split); 0 for a float model."""
+        if self.quantization is None:
+            return 0
         layer, dense = self.params_per_layer, len(self.dense_layers)
         moe_layers = self.num_layers - dense + self.mtp_layers
         quantized = moe_layers * experts_per_layer * layer["expert"]
         if self.quantization.method == "fp8":
             quantized += ((self.num_layers + self.mtp_layers) * layer["attention"] + moe_layers * layer["shared"]
                           + dense * layer["dense_mlp"])
-        return (total - quantized) * width + quantized * self.quantization.bytes_per_value()
+        return quantized
+
+    def prepacked_bytes(self, experts_per_layer: int, width: int) -> float:
+        """Bytes of the second copies a CPU engine keeps of its float weight matrices (``ringmoe.prepacked``):
+        every float value but the input embedding table's and the quantized ones (norms and routers, a few
+        values, counted too: an upper bound)."""
+        table = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return (self.params_with_experts(experts_per_layer) - table - self._quantized_params(experts_per_layer)) * width
 
     @property
     def num_params(self) -> int:

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..batch_invariant import InvariantLinear, linear, rowwise
+from ..batch_invariant import InvariantLinear, linear, rowwise, tile_rows
+from ..prepacked import packed, packed_linear
 
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
@@ -78,8 +79,13 @@ class SwiGLUExperts(nn.Module):
 
         The stacked weights are unbound once, so backward stacks the E weight
         gradients once; indexing ``gate_up[e]`` per expert would instead build a
-        full (E, 2F, H) gradient per expert (O(E^2) memory traffic).
+        full (E, 2F, H) gradient per expert (O(E^2) memory traffic).  Where the
+        stacks were prepacked (``prepack_weights``) and no gradient is wanted,
+        each product uses its expert's oneDNN copy.
         """
+        gate_ups, downs = (packed(self.gate_up, x), packed(self.down, x)) if tile_rows() is None else (None, None)
+        if gate_ups is not None and downs is not None:
+            return self._grouped_prepacked(x, counts, gate_ups, downs)
         unbound = [None if p is None else p.unbind(0)
                    for p in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)]
         outs = []
@@ -87,6 +93,22 @@ class SwiGLUExperts(nn.Module):
             if rows.shape[0]:
                 outs.append(swiglu(rows, **self._weights(e, *unbound)))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
+
+    def _grouped_prepacked(self, x: torch.Tensor, counts: list[int], gate_ups: list, downs: list) -> torch.Tensor:
+        """``grouped`` through the experts' blocked copies (``prepacked``): the same products, biases added by
+        the products themselves."""
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            if rows.shape[0]:
+                gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+                down_bias = None if self.down_bias is None else self.down_bias[e]
+                h = activate(packed_linear(rows, gate_ups[e], gate_up_bias), self.limit, self.alpha)
+                outs.append(packed_linear(h, downs[e], down_bias))
+        return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
+
+    def prepack_weights(self) -> tuple[torch.Tensor, ...]:
+        """The stacks ``prepacked.prepack_module`` may pack (``grouped`` uses the copies where they apply)."""
+        return (self.gate_up, self.down)
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """x (E, C, H) -> (E, C, H): one batched matmul per projection for all experts."""

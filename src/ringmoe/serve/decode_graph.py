@@ -38,7 +38,10 @@ equality tests compare against, and a fallback).
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,27 @@ def compile_options(device: torch.device) -> dict:
     if skip is not None:
         options["guard_filter_fn"] = skip
     return options
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled ``_decode_step``
+_COPIES = itertools.count()
+
+
+def compiled_step(model) -> object:
+    """``_decode_step`` compiled for ``model``: engines of one model share its graphs, another model never does.
+
+    torch.compile keeps its graphs on the function's code object and, with the model's modules unguarded
+    (``compile_options``), would run a graph traced for one model on another model of the same shapes, with the
+    first one's constants: its experts' operator keys (the second model's steps of 32 rows and more computed
+    with the first one's experts, measured), and any config value that is no tensor (RoPE base, router
+    scaling...).  Each model gets its own copy of the code, so its own cache and its own recompile budget."""
+    step = _COMPILED.get(model)
+    if step is None:
+        code = _decode_step.__code__.replace(co_name=f"_decode_step_{next(_COPIES)}")
+        function = types.FunctionType(code, _decode_step.__globals__, code.co_name)
+        step = torch.compile(function, dynamic=True, options=compile_options(model.embed_tokens.weight.device))
+        _COMPILED[model] = step
+    return step
 
 
 class TableAttention:
@@ -139,8 +163,7 @@ class DecodeGraph:
             block.register_op()
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
-        self.fn = torch.compile(_decode_step, dynamic=True, options=compile_options(runner.device)) if compile \
-            else _decode_step
+        self.fn = compiled_step(runner.model) if compile else _decode_step
         # new keys a row may see: its own and those of the band - 1 rows before it (its item's token and drafts);
         # the engine sets 1 + its drafts per request before ``warm_up`` (a constant of the compiled graph)
         self.band = 1

@@ -102,6 +102,10 @@ class Engine:
     kv_cache_dtype: "auto" (K/V cached in the model's dtype) or "fp8" / "fp8_e4m3": one byte per cached value,
     e4m3 codes with per-layer scales measured on a probe at start-up (``kv_scales.py``), decoded as attention reads
     them (MLA's latent cache too); ``runner.bytes_per_token`` counts the bytes.
+    prepack_weights: on a CPU, float32, outside the deterministic mode, the projections the steps run eagerly
+    (attention, experts, LM head) keep a second copy of their weights in oneDNN's blocked layout
+    (``ringmoe.prepacked``): products of few rows ~2x faster, at the weights' bytes again
+    (``runner.prepacked_bytes``); False keeps one copy.
     decode_graph: how the decode-only steps run (``decode_graph.py``): "off" (the general eager step),
     "static" (padded to a bucket, fixed-shape ops, eager), "compiled" (the same under torch.compile,
     compiled here, before the first request: ``compile_seconds``).  The graph serves one-rank models
@@ -120,7 +124,8 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
                  deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False,
-                 decode_graph: str = "off", speculative_config=None, kv_cache_dtype: str = "auto"):
+                 decode_graph: str = "off", speculative_config=None, kv_cache_dtype: str = "auto",
+                 prepack_weights: bool = True):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -140,7 +145,8 @@ class Engine:
         reach = [model.config.window(i)[0] for i in range(model.config.num_layers)]
         self.window_reach = max(reach) if all(r >= 0 for r in reach) else None
         num_blocks = -(-kv_cache_tokens // block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic, decode_graph, kv_cache_dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, deterministic, decode_graph, kv_cache_dtype,
+                                  prepack_weights)
         self.compile_seconds = 0.0
         # with speculation a step verifies up to 1 + k tokens of every running request
         per_request = 1 + (self.speculative_config.num_speculative_tokens if self.drafter is not None else 0)

@@ -54,6 +54,7 @@ class ServeOptions:
     max_tokens_default: int = 256
     deterministic: bool = False
     enforce_eager: bool = False  # decode steps eager too (default: the compiled decode graph where it applies)
+    prepack_weights: bool = True  # float32: a oneDNN copy of the weights for the eager products (ringmoe.prepacked)
     dtype: str = "float32"
     quantization: str | None = None  # "fp8" | "mxfp4": quantize a float checkpoint's weights once loaded
     layout: str = "zigzag"
@@ -164,7 +165,8 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
 
     Per rank: the replicated weights, its 1/ep of the experts, and ``kv_cache_tokens`` of K/V (MLA: the latent
     and RoPE key) in --dtype (one byte per value with --kv-cache-dtype fp8), plus a process's own overhead; local
-    ranks share this machine's memory."""
+    ranks share this machine's memory.  With float32 weights (not --deterministic, not --no-prepack-weights) the
+    engine keeps a second, prepacked copy of its float matrices: counted too."""
 
     width = DTYPES[options.dtype].itemsize
     kv_width = 1 if kv_cache_is_fp8(options.kv_cache_dtype) else width
@@ -173,9 +175,16 @@ def check_fits(options: ServeOptions, config, available: int | None = None) -> f
     parts = {"weights": ranks * config.weight_bytes(config.num_experts // options.ep, width),
              "KV cache": ranks * options.kv_cache_tokens * per_token * kv_width,
              "processes": ranks * PROCESS_OVERHEAD_BYTES}
+    if prepacks(options):
+        parts["prepacked weights"] = ranks * config.prepacked_bytes(config.num_experts // options.ep, width)
     return require_memory(f"serving {Path(options.model).name} on {ranks} rank(s)", parts, available,
                           advice="lower --kv-cache-tokens, raise --ep, pick a smaller --dtype or "
-                                 "--kv-cache-dtype fp8")
+                                 "--kv-cache-dtype fp8" + (", or --no-prepack-weights" if prepacks(options) else ""))
+
+
+def prepacks(options: ServeOptions) -> bool:
+    """Will the engine keep prepacked copies of its weights (``Engine(prepack_weights=...)``'s rule)."""
+    return options.prepack_weights and options.dtype == "float32" and not options.deterministic
 
 
 def build_engine(options: ServeOptions, mesh):
@@ -186,6 +195,7 @@ def build_engine(options: ServeOptions, mesh):
         max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
         deterministic=options.deterministic, decode_graph="off" if options.enforce_eager else "compiled",
+        prepack_weights=options.prepack_weights,
         speculative_config=options.speculative_config,
     )
 

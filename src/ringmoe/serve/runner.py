@@ -27,6 +27,7 @@ import torch
 
 from ..attention.paged import read_cache
 from ..float8 import decode_e4m3, encode_e4m3
+from ..prepacked import prepack_module
 from ..model.transformer import MoETransformer
 from ..parallel.layout import positions as layout_positions, shard
 from ..parallel.ring import RingStats
@@ -81,10 +82,13 @@ def store_head_input_major(model: MoETransformer) -> None:
 
 class ModelRunner:
     def __init__(self, model: MoETransformer, num_blocks: int, block_size: int, backend: str = "auto",
-                 deterministic: bool = False, decode_graph: str = "off", kv_cache_dtype: str = "auto"):
+                 deterministic: bool = False, decode_graph: str = "off", kv_cache_dtype: str = "auto",
+                 prepack_weights: bool = False):
         """decode_graph: how decode-only steps run: "compiled" (``DecodeGraph`` under torch.compile),
         "static" (the same padded fixed-shape step, eager), "off" (the general eager step).
-        kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (one byte per cached value)."""
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (one byte per cached value).
+        prepack_weights: keep oneDNN copies of the weights the eager products use (CPU float32, not in the
+        deterministic mode: its fixed tiles are the point there); ``prepacked_bytes`` counts them."""
         if decode_graph not in ("compiled", "static", "off"):
             raise ValueError(f"decode_graph must be 'compiled', 'static' or 'off', got {decode_graph!r}")
         fp8 = kv_cache_is_fp8(kv_cache_dtype)
@@ -93,6 +97,7 @@ class ModelRunner:
         self.model, self.block_size, self.backend = model.eval(), block_size, backend
         if param.device.type == "cpu":
             store_head_input_major(model)
+        self.prepacked_bytes = prepack_module(model) if prepack_weights and not deterministic else 0
         self.deterministic = deterministic
         self.mesh, self.layout = model.mesh, model.layout
         self.latent = config.mla  # MLA: the cache holds each token's latent and RoPE key, once (K = V)
