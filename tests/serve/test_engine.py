@@ -219,3 +219,5 @@ def test_prepacked_weights_give_the_plain_engines_tokens_and_logits(checkpoint):
         assert plain.output_ids == fast.output_ids and fast.logits is not None
         torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-4, atol=1e-4)
     assert Engine(model, deterministic=True).runner.prepacked_bytes == 0  # fixed tiles are the point there
+    with pytest.raises(TypeError, match="prepack_weights"):
+        Engine(model, prepack_weights="no")

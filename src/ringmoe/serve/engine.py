@@ -105,7 +105,8 @@ class Engine:
     prepack_weights: on a CPU, float32, outside the deterministic mode, the projections the steps run eagerly
     (attention, experts, LM head) keep a second copy of their weights in oneDNN's blocked layout
     (``ringmoe.prepacked``): products of few rows ~2x faster, at the weights' bytes again
-    (``runner.prepacked_bytes``); False keeps one copy.
+    (``runner.prepacked_bytes``); False packs none (copies an earlier engine made of the same weights, unchanged
+    since, stay in use: they belong to the weights).
     decode_graph: how the decode-only steps run (``decode_graph.py``): "off" (the general eager step),
     "static" (padded to a bucket, fixed-shape ops, eager), "compiled" (the same under torch.compile,
     compiled here, before the first request: ``compile_seconds``).  The graph serves one-rank models
@@ -130,6 +131,8 @@ class Engine:
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(prepack_weights, bool):
+            raise TypeError(f"prepack_weights must be a bool, got {prepack_weights!r}")
         if kv_cache_bytes is not None:
             kv_cache_tokens = _tokens_in(kv_cache_bytes, model, kv_cache_is_fp8(kv_cache_dtype), block_size)
         if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
