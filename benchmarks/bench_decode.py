@@ -17,9 +17,9 @@ median is reported with:
   the profiler also pays the profiler's recording of every op, most of them host-side ops: that share is
   reported too (``host_overhead_share_profiled``); on a machine whose speed drifts the two can swap places.
 
-Each batch runs three ways, side by side (``measure_modes``: steps in turns): the eager step (``decode_graph="off"``), the compiled decode graph
-(``decode_graph="compiled"``, its compile time reported; the ratio is the speed-up), and the compiled graph with
-one copy of the weights (``prepack_weights=False``: the eager products, the experts' sorted GEMMs of 32 and more
+Each batch runs three ways, side by side (``measure_modes``: steps in turns): the eager step
+(``decode_graph="off"``), the compiled decode graph (``decode_graph="compiled"``, its compile time reported; the
+ratio is the speed-up), and the compiled graph with one copy of the weights (``prepack_weights=False``: the eager products, the experts' sorted GEMMs of 32 and more
 tokens among them, through MKL instead of oneDNN's prepacked copies, ``ringmoe.prepacked``).
 
 Writes benchmarks/results/decode.json and decode.png.

@@ -5,14 +5,16 @@ matrix.  MKL's sgemm packs the weight into its own panel layout on every call, a
 is most of the work: a (8, 256) x (256, 1024) product from cold memory took ~190 us on the 2-core development
 machine (an AMD EPYC, AVX2), about 5 GB/s of weights.  oneDNN multiplies a weight that was reordered once into
 its blocked layout (the pair of private operators torch's inductor uses for the same purpose) in ~85 us, and an
-LM head (4096 x 256) at 8 rows in ~320 us instead of ~1050 us (``benchmarks/bench_decode.py``).
+LM head (4096 x 256) at 8 rows in ~320 us instead of ~1050 us (each product alone, cold; whole decode steps:
+``benchmarks/bench_decode.py``).
 
 ``prepack(weight)`` stores the blocked copy beside the parameter (a side table keyed by the tensor: modules,
 state dicts and deep copies never see it); ``packed(weight, x)`` returns it only where it gives the plain
 product: float32 on a CPU, no gradient wanted, outside a graph torch.compile traces, and only while the weight
 is unchanged since it was packed (its version counter and storage: an optimizer step, ``copy_`` or
-``module.to(...)`` make the copy stale and the plain product is used).  The copy costs the weight's bytes again: the serving engine packs the products a
-step runs eagerly (``prepack_weights``) and its memory check counts them.
+``module.to(...)`` make the copy stale and the plain product is used).  The copy costs the weight's bytes
+again: the serving engine packs the products a step runs eagerly (``prepack_weights``) and its memory check
+counts them.
 """
 
 from __future__ import annotations
