@@ -21,13 +21,15 @@ __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-           down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702) -> torch.Tensor:
+           down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702,
+           product=linear) -> torch.Tensor:
     """down(act(gate x, up x)) for rows x (n, H), gate_up (2F, H) = [gate; up], down (H, F); optional
-    biases (2F,), (H,); ``limit``: gpt-oss's clamped activation, else silu(gate) * up."""
-    h = linear(x, gate_up)
+    biases (2F,), (H,); ``limit``: gpt-oss's clamped activation, else silu(gate) * up.  product(rows, weight):
+    rows @ weight.T (``prepacked.packed_linear`` takes the weights' blocked copies instead)."""
+    h = product(x, gate_up)
     if gate_up_bias is not None:
         h = h + gate_up_bias
-    y = linear(activate(h, limit, alpha), down)
+    y = product(activate(h, limit, alpha), down)
     return y if down_bias is None else y + down_bias
 
 
@@ -83,27 +85,16 @@ class SwiGLUExperts(nn.Module):
         stacks were prepacked (``prepack_weights``) and no gradient is wanted,
         each product uses its expert's oneDNN copy.
         """
-        gate_ups, downs = (packed(self.gate_up, x), packed(self.down, x)) if tile_rows() is None else (None, None)
-        if gate_ups is not None and downs is not None:
-            return self._grouped_prepacked(x, counts, gate_ups, downs)
+        packs = (packed(self.gate_up, x), packed(self.down, x)) if tile_rows() is None else (None, None)
         unbound = [None if p is None else p.unbind(0)
                    for p in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)]
         outs = []
         for e, rows in enumerate(x.split(counts)):
             if rows.shape[0]:
-                outs.append(swiglu(rows, **self._weights(e, *unbound)))
-        return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
-
-    def _grouped_prepacked(self, x: torch.Tensor, counts: list[int], gate_ups: list, downs: list) -> torch.Tensor:
-        """``grouped`` through the experts' blocked copies (``prepacked``): the same products, biases added by
-        the products themselves."""
-        outs = []
-        for e, rows in enumerate(x.split(counts)):
-            if rows.shape[0]:
-                gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
-                down_bias = None if self.down_bias is None else self.down_bias[e]
-                h = activate(packed_linear(rows, gate_ups[e], gate_up_bias), self.limit, self.alpha)
-                outs.append(packed_linear(h, downs[e], down_bias))
+                weights = self._weights(e, *unbound)
+                if None not in packs:
+                    weights.update(gate_up=packs[0][e], down=packs[1][e], product=packed_linear)
+                outs.append(swiglu(rows, **weights))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
 
     def prepack_weights(self) -> tuple[torch.Tensor, ...]:
