@@ -207,6 +207,47 @@ def test_the_graphs_greedy_choices_are_plain_batchs(mode):
 
 
 @pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_a_batch_of_one_takes_the_graphs_head_and_greedy_choice(mode):
+    """A step of one row applies the LM head and the greedy choice inside the graph (``HeadOutput`` reported; not
+    for steps of more rows): a greedy request's tokens and log-probabilities are the eager engine's (to float32
+    rounding), a seeded sampled one draws the eager engine's tokens from the graph's logits, and a request whose
+    row turns NaN there ends alone with an error."""
+    from ringmoe.serve.decode_graph import LOGITS, DecodeGraph
+
+    model = _model("tiny", torch.float32)
+    prompts = _prompts(2, seed=53)
+    greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=0)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=7, ignore_eos=True, logprobs=0)
+    heads = []  # per graph step: its rows, whether it reported the head's output
+    run = DecodeGraph.run
+
+    def spy(self, items):
+        reports = run(self, items)
+        heads.append((len(items), any(isinstance(key, tuple) and key[0] == LOGITS for key in reports)))
+        return reports
+
+    for params in (greedy, sampled):
+        eager = Engine(model).generate(prompts[:1], params)[0]
+        engine = Engine(model, decode_graph=mode, max_num_seqs=2)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DecodeGraph, "run", spy)
+            alone = engine.generate(prompts[:1], params)[0]
+            engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert alone.output_ids == eager.output_ids and len(alone.output_ids) == 7
+        torch.testing.assert_close(torch.tensor([c.logprob for c in alone.logprobs]),
+                                   torch.tensor([c.logprob for c in eager.logprobs]), rtol=0, atol=1e-5)
+    assert (1, True) in heads and (2, False) in heads and all(reported == (rows == 1) for rows, reported in heads)
+    poisoned = _model("tiny", torch.float32)
+    clean = Engine(model).generate(prompts[:1], greedy)[0].output_ids
+    with torch.no_grad():
+        poisoned.embed_tokens.weight[clean[1]] = float("nan")  # the second generated token's embedding
+    engine = Engine(poisoned, decode_graph=mode, max_num_seqs=2)
+    out = engine.generate(prompts[:1], greedy)[0]
+    assert engine.runner.decode_graph.steps > 0
+    assert out.finish_reason == "error" and "NaN" in out.error and out.output_ids == clean[:2]
+
+
+@pytest.mark.parametrize("mode", ["static", "compiled"])
 def test_nan_logits_in_a_graph_step_end_only_their_request(mode):
     """A request whose decode reads a NaN (its first generated token's embedding) ends with an error in a graph
     step; the other requests of that step go on with the eager engine's tokens."""
@@ -328,7 +369,10 @@ def test_two_models_of_the_same_shapes_each_run_their_own_graph():
         assert compiled[2] > 0
         _assert_same(eager, compiled, atol=2e-4)
     assert decode_graph._COMPILED.get(model) is compiled[3].runner.decode_graph.fn
+    # models of earlier tests (and the first one here) that reference cycles hold go first: counted after, they
+    # would stand in for this one
+    gc.collect()
     before = len(decode_graph._COMPILED)
-    del model, compiled
+    del model, compiled, eager  # (the eager engine holds the model too)
     gc.collect()
     assert len(decode_graph._COMPILED) == before - 1

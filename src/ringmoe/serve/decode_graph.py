@@ -13,10 +13,15 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   row's own new key merged by the online softmax) is tensor ops inside the graph, as are the router and
   the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph only
   reads the cache: the rows' final states, every layer's new K/V and each MoE layer's assignments per expert over
-  the real rows come out of it (three tensors), and after it the K/V are written at each row's slot
-  (``index_copy_``) and the counts become the MoE statistics, once per step (the LM head runs after it, eager).
-  The rows' integers (token, position, context length, real or padding, slot) travel as one (5, B) tensor: one
-  copy from the host;
+  the real rows come out of it, and after it the K/V are written at each row's slot (``index_copy_``) and the
+  counts become the MoE statistics, once per step.  For a batch of one the LM head and the greedy choice run
+  inside the graph too (``HeadOutput``: a greedy request's token is the graph's, a sampled one draws from the
+  graph's logits): measured in one process against the head run eagerly after the graph, a batch-1 step
+  1.09-1.10x faster (the head's and the sampler's host side: dispatch, a log-softmax, an argmax), but steps of 4
+  and 8 rows 0.92x / 0.95x: from two rows the eager head multiplies by the weight's prepacked oneDNN copy
+  (``ringmoe.prepacked``), which a traced product cannot use, so those steps report hidden states and the
+  engine applies the head.  The rows' integers (token, position, context length, real or padding, slot) travel
+  as one (5, B) tensor: one copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules: ``compile_options``) treats the
   batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
@@ -42,6 +47,7 @@ import itertools
 import time
 import types
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +55,7 @@ import torch.nn.functional as F
 from ..attention.paged import paged_decode
 from ..float8 import decode_e4m3, encode_e4m3
 
-__all__ = ["DecodeGraph", "bucket"]
+__all__ = ["DecodeGraph", "HeadOutput", "LOGITS", "bucket"]
 
 MIN_WIDTH = 2  # blocks per table row at least: a width of 1 would be a shape torch.compile specialises
 # inductor compiles a float32 sum of more than this many terms as a chunked cascade sum, and guards the graph on
@@ -132,6 +138,20 @@ class TableAttention:
                             options["sinks"], new=own, kv_scales=scales, fresh=self.fresh, by_block=True)[None]
 
 
+LOGITS = "logits"  # a graph step's reports hold, under (LOGITS, request id), the request's ``HeadOutput``
+
+
+class HeadOutput(NamedTuple):
+    """The LM head's part of a graph step for one request: logits (rows, vocab) float32 of its item's rows (its
+    drafts' rows, then its token's row, as ``run`` reports hidden states) and, per row, the greedy choice the graph
+    made: the first index of the row's largest logit and that logit's log-probability (NaN where the row holds a
+    NaN or +inf, or only -inf: no choice)."""
+
+    logits: torch.Tensor
+    tokens: list[int]
+    logprobs: list[float]
+
+
 # the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
 IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
 
@@ -139,16 +159,25 @@ IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
 def _decode_step(model, meta, tables, fresh, k_caches, v_caches, kv_scales):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
     real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
-    (``paged_decode``'s).  -> (hidden (B, hidden), the MoE layers' expert counts over the real rows (moe layers,
-    experts) int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B,
-    kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays host time per tensor a compiled graph
-    returns (the 26 outputs this step had, routings and K/V apart, cost ~10% of a batch-1 step)."""
+    (``paged_decode``'s).  -> (hidden (B, hidden); for a batch of one (the module's docstring says why) logits
+    (1, vocab) float32, the row's greedy token (1,) int64 and its log-probability (1,) float32 (``HeadOutput``),
+    else three None; the MoE layers' expert counts over the real rows (moe layers, experts) int64 (None without MoE
+    layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs,
+    each a whole tensor: the caller pays host time per tensor a compiled graph returns (the 26 outputs this step
+    had, routings and K/V apart, cost ~10% of a batch-1 step)."""
     attention = TableAttention(model, k_caches, v_caches, tables, meta[CONTEXTS], fresh, kv_scales)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
+    logits = tokens = logprobs = None
+    if meta.shape[1] == 1:  # (torch.compile specialises a batch of one: a constant of each graph)
+        logits = model.lm_head(hidden).float()
+        tokens = logits.max(dim=-1).indices  # the first index of the largest value (a NaN's, if the row has one)
+        # the sampler's log-probability (``plain_batch``): NaN where the row holds a NaN or +inf (inf - inf), or only
+        # -inf: NaN marks a row with no choice
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     real = meta[REAL]
     counts = [(F.one_hot(r.topk_idx, r.probs.shape[-1]) * real[:, None, None]).sum((0, 1)) for r in routings]
     new_kv = torch.stack([torch.stack(pair) for pair in attention.new_kv])
-    return hidden, torch.stack(counts) if counts else None, new_kv
+    return hidden, logits, tokens, logprobs, torch.stack(counts) if counts else None, new_kv
 
 
 class DecodeGraph:
@@ -240,7 +269,8 @@ class DecodeGraph:
 
     def run(self, items: list) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step``."""
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and, when the graph applied the LM head
+        (a batch of one), for every item {(LOGITS, request_id): its rows' ``HeadOutput``}."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
         ids, positions, slots, owner, cached = [], [], [], [], []  # per row; cached: per item
@@ -264,8 +294,10 @@ class DecodeGraph:
         fresh = self._fresh(owner + list(range(len(items), len(items) + pad)))  # padding rows: items of their own
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
-        hidden, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache, runner.v_cache,
-                                         runner.kv_scales)
+        hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache,
+                                                                   runner.v_cache, runner.kv_scales)
+        if logits is not None:
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
         slots = meta[SLOTS]
         for layer, (k_cache, v_cache) in enumerate(zip(runner.k_cache, runner.v_cache)):
             k, v = new_kv[layer]
@@ -282,5 +314,8 @@ class DecodeGraph:
                 reports[("all", item.request_id)] = hidden[first:first + count]
             if item.report:
                 reports[item.request_id] = hidden[first + count - 1]
+            if logits is not None:
+                rows = slice(first, first + count)
+                reports[(LOGITS, item.request_id)] = HeadOutput(logits[rows], tokens[rows], logprobs[rows])
             first += count
         return reports

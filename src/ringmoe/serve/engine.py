@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from .kv_cache import BlockManager
 from .kv_scales import kv_cache_is_fp8
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
+from .decode_graph import LOGITS, HeadOutput
 from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
@@ -325,13 +327,18 @@ class Engine:
         drafted = [r for r in due if r.draft_ids]
         due = [r for r in due if r.params.max_tokens > 0 and not r.draft_ids]
         outputs = [out for r in prompt_only for out in self._prompt_only(r)]
-        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)])]
+        for r in drafted:  # a compiled step's logits of the item's rows, else their hidden states
+            head = reports.get((LOGITS, r.request_id))
+            outputs += self._verify(r, reports[("all", r.request_id)] if head is None else head)
         if due:
-            hidden = torch.stack([reports[r.request_id] for r in due])
-            with torch.no_grad(), self._invariance():
-                logits = self.model.lm_head(hidden.to(self.runner.device)).float()
+            heads = [reports.get((LOGITS, r.request_id)) for r in due]  # a compiled step's logits and greedy choices
+            if None in heads:
+                logits, greedy = self._head(torch.stack([reports[r.request_id] for r in due])), None
+            else:
+                logits = torch.cat([head.logits for head in heads])
+                greedy = [(head.tokens[-1], head.logprobs[-1]) for head in heads]
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
-            chosen = self._plain_rows(due, logits, masks)
+            chosen = self._plain_rows(due, logits, masks, greedy)
             outputs += [out for i, (r, row, mask) in enumerate(zip(due, logits, masks))
                         for out in self._advance(r, row, mask, chosen.get(i))]
         for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
@@ -393,15 +400,15 @@ class Engine:
         return min(request.params.max_tokens - len(request.output_ids) - 1,
                    self.groups[group].max_model_len - request.num_tokens - 1)
 
-    def _verify(self, request: Request, hidden: torch.Tensor) -> list[RequestOutput]:
-        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)), row by row: each row's
+    def _verify(self, request: Request, rows: torch.Tensor | HeadOutput) -> list[RequestOutput]:
+        """Check ``request``'s drafts against the step's logits (rows: hidden states (1 + drafts, hidden), or the
+        compiled step's ``HeadOutput``), row by row: each row's
         token is drawn as decoding would draw it (``draw``; under a grammar, masked by the grammar's state after the
         rows before) and goes through the usual stop rules; the next row is used while the draw is the draft.
         The cache keeps only accepted positions."""
         drafts, request.draft_ids = request.draft_ids, []
         try:
-            with torch.no_grad(), self._invariance():
-                logits = self.model.lm_head(hidden.to(self.runner.device)).float()
+            logits = rows.logits if isinstance(rows, HeadOutput) else self._head(rows)
             check_finite(logits)
         except Exception as error:  # this request alone ends
             return [self._failed(request, error, request.emitted)]
@@ -513,17 +520,29 @@ class Engine:
         if self.is_driver and self.mesh.size > 1:
             dist.broadcast_object_list([None], src=0)
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits (..., vocab) of hidden states (..., hidden) an eager step reported."""
+        with torch.no_grad(), self._invariance():
+            return self.model.lm_head(hidden.to(self.runner.device)).float()
+
     @staticmethod
-    def _plain_rows(due: list[Request], logits: torch.Tensor, masks: list) -> dict[int, TokenChoice]:
+    def _plain_rows(due: list[Request], logits: torch.Tensor, masks: list,
+                    greedy: list[tuple[int, float]] | None = None) -> dict[int, TokenChoice]:
         """The tokens of the plain rows (``SamplingParams.plain``, no grammar, nothing banned), chosen
-        together: {row: choice}."""
+        together: {row: choice}.  greedy: per row the (token, log-probability) a compiled step chose by argmax
+        (``HeadOutput``): a greedy row takes it (no choice where the log-probability is NaN)."""
         rows = [i for i, (r, mask) in enumerate(zip(due, masks)) if mask is None and r.params.plain
                 and r.params.n == 1 and len(r.output_ids) >= r.params.min_tokens]
+        if greedy is not None:
+            chosen = {i: TokenChoice(*greedy[i]) for i in rows if due[i].params.greedy and not math.isnan(greedy[i][1])}
+            rows = [i for i in rows if not due[i].params.greedy]
+        else:
+            chosen = {}
         if not rows:
-            return {}
+            return chosen
         choices = plain_batch(logits[rows] if len(rows) < len(due) else logits, [due[i].params for i in rows],
                               [due[i].generator for i in rows])
-        return {i: c for i, c in zip(rows, choices) if c is not None}
+        return chosen | {i: c for i, c in zip(rows, choices) if c is not None}
 
     def _advance(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
                  choice: TokenChoice | None = None) -> list[RequestOutput]:
@@ -581,9 +600,7 @@ class Engine:
         first, last = len(request.prompt_logprobs), min(start + hidden.shape[0], len(request.prompt_ids) - 1)
         if first > last or first - 1 < start:
             return
-        rows = hidden[first - 1 - start:last - start]
-        with torch.no_grad(), self._invariance():
-            logits = self.model.lm_head(rows.to(self.runner.device)).float()
+        logits = self._head(hidden[first - 1 - start:last - start])
         request.prompt_logprobs += prompt_choices(logits, request.prompt_ids[first:last + 1],
                                                   request.params.prompt_logprobs)
 
