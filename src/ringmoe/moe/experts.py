@@ -83,19 +83,32 @@ class SwiGLUExperts(nn.Module):
         gradients once; indexing ``gate_up[e]`` per expert would instead build a
         full (E, 2F, H) gradient per expert (O(E^2) memory traffic).  Where the
         stacks were prepacked (``prepack_weights``) and no gradient is wanted,
-        each product uses its expert's oneDNN copy.
+        each product uses its expert's oneDNN copy.  The biases and the
+        activation run once over all rows, between the two rounds of products
+        (elementwise, so row by row the same as per expert: four small ops per
+        expert fewer; measured in one process, a compiled batch-32 / 64 decode
+        step 1.04-1.11x / 1.04x, an eager step of a 140-token prompt 1.04x).
         """
+        active = [e for e, count in enumerate(counts) if count]
+        if not active:
+            return x.new_zeros(0, self.hidden_size)
         packs = (packed(self.gate_up, x), packed(self.down, x)) if tile_rows() is None else (None, None)
-        unbound = [None if p is None else p.unbind(0)
-                   for p in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)]
-        outs = []
-        for e, rows in enumerate(x.split(counts)):
-            if rows.shape[0]:
-                weights = self._weights(e, *unbound)
-                if None not in packs:
-                    weights.update(gate_up=packs[0][e], down=packs[1][e], product=packed_linear)
-                outs.append(swiglu(rows, **weights))
-        return torch.cat(outs) if outs else x.new_zeros(0, self.hidden_size)
+        product = packed_linear if None not in packs else linear
+        gate_ups, downs = packs if None not in packs else (self.gate_up.unbind(0), self.down.unbind(0))
+        sizes = [counts[e] for e in active]
+        parts = x.split(counts)
+        h = torch.cat([product(parts[e], gate_ups[e]) for e in active])  # (N, 2F)
+        if self.gate_up_bias is not None:
+            h = h + self._row_bias(self.gate_up_bias, active, sizes)
+        rows = activate(h, self.limit, self.alpha).split(sizes)  # (n_e, F) per active expert
+        y = torch.cat([product(part, downs[e]) for e, part in zip(active, rows)])
+        return y if self.down_bias is None else y + self._row_bias(self.down_bias, active, sizes)
+
+    @staticmethod
+    def _row_bias(bias: torch.Tensor, active: list[int], sizes: list[int]) -> torch.Tensor:
+        """bias (E, C) -> (N, C): each sorted row's expert's bias (``sizes[i]`` rows of expert ``active[i]``)."""
+        experts = torch.tensor(active, device=bias.device).repeat_interleave(torch.tensor(sizes, device=bias.device))
+        return bias.index_select(0, experts)
 
     def prepack_weights(self) -> tuple[torch.Tensor, ...]:
         """The stacks ``prepacked.prepack_module`` may pack (``grouped`` uses the copies where they apply)."""
