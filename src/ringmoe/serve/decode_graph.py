@@ -17,7 +17,7 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   counts become the MoE statistics, once per step.  For a batch of one the LM head and the greedy choice run
   inside the graph too (``HeadOutput``: a greedy request's token is the graph's, a sampled one draws from the
   graph's logits): measured in one process against the head run eagerly after the graph, a batch-1 step
-  1.09-1.10x faster (the head's and the sampler's host side: dispatch, a log-softmax, an argmax), but steps of 4
+  1.05-1.10x faster (the head's and the sampler's host side: dispatch, a log-softmax, an argmax), but steps of 4
   and 8 rows 0.92x / 0.95x: from two rows the eager head multiplies by the weight's prepacked oneDNN copy
   (``ringmoe.prepacked``), which a traced product cannot use, so those steps report hidden states and the
   engine applies the head.  The rows' integers (token, position, context length, real or padding, slot) travel
@@ -142,14 +142,13 @@ LOGITS = "logits"  # a graph step's reports hold, under (LOGITS, request id), th
 
 
 class HeadOutput(NamedTuple):
-    """The LM head's part of a graph step for one request: logits (rows, vocab) float32 of its item's rows (its
-    drafts' rows, then its token's row, as ``run`` reports hidden states) and, per row, the greedy choice the graph
+    """The LM head's part of a graph step of one row: its logits (1, vocab) float32 and the greedy choice the graph
     made: the first index of the row's largest logit and that logit's log-probability (NaN where the row holds a
     NaN or +inf, or only -inf: no choice)."""
 
     logits: torch.Tensor
-    tokens: list[int]
-    logprobs: list[float]
+    token: int
+    logprob: float
 
 
 # the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
@@ -269,8 +268,8 @@ class DecodeGraph:
 
     def run(self, items: list) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and, when the graph applied the LM head
-        (a batch of one), for every item {(LOGITS, request_id): its rows' ``HeadOutput``}."""
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and for a step of one row, where the graph
+        applied the LM head, {(LOGITS, request_id): its ``HeadOutput``}."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
         ids, positions, slots, owner, cached = [], [], [], [], []  # per row; cached: per item
@@ -296,8 +295,6 @@ class DecodeGraph:
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
         hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache,
                                                                    runner.v_cache, runner.kv_scales)
-        if logits is not None:
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()
         slots = meta[SLOTS]
         for layer, (k_cache, v_cache) in enumerate(zip(runner.k_cache, runner.v_cache)):
             k, v = new_kv[layer]
@@ -314,8 +311,7 @@ class DecodeGraph:
                 reports[("all", item.request_id)] = hidden[first:first + count]
             if item.report:
                 reports[item.request_id] = hidden[first + count - 1]
-            if logits is not None:
-                rows = slice(first, first + count)
-                reports[(LOGITS, item.request_id)] = HeadOutput(logits[rows], tokens[rows], logprobs[rows])
             first += count
+        if logits is not None:  # one row: one item, no drafts
+            reports[(LOGITS, items[0].request_id)] = HeadOutput(logits, int(tokens), float(logprobs))
         return reports

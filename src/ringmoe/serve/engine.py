@@ -43,7 +43,7 @@ from .kv_cache import BlockManager
 from .kv_scales import kv_cache_is_fp8
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
-from .decode_graph import LOGITS, HeadOutput
+from .decode_graph import LOGITS
 from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
@@ -327,16 +327,13 @@ class Engine:
         drafted = [r for r in due if r.draft_ids]
         due = [r for r in due if r.params.max_tokens > 0 and not r.draft_ids]
         outputs = [out for r in prompt_only for out in self._prompt_only(r)]
-        for r in drafted:  # a compiled step's logits of the item's rows, else their hidden states
-            head = reports.get((LOGITS, r.request_id))
-            outputs += self._verify(r, reports[("all", r.request_id)] if head is None else head)
+        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)])]
         if due:
-            heads = [reports.get((LOGITS, r.request_id)) for r in due]  # a compiled step's logits and greedy choices
-            if None in heads:
-                logits, greedy = self._head(torch.stack([reports[r.request_id] for r in due])), None
+            head = reports.get((LOGITS, due[0].request_id))  # a compiled step of one row applied the head itself
+            if head is not None and len(due) == 1:
+                logits, greedy = head.logits, [(head.token, head.logprob)]
             else:
-                logits = torch.cat([head.logits for head in heads])
-                greedy = [(head.tokens[-1], head.logprobs[-1]) for head in heads]
+                logits, greedy = self._head(torch.stack([reports[r.request_id] for r in due])), None
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
             chosen = self._plain_rows(due, logits, masks, greedy)
             outputs += [out for i, (r, row, mask) in enumerate(zip(due, logits, masks))
@@ -400,15 +397,14 @@ class Engine:
         return min(request.params.max_tokens - len(request.output_ids) - 1,
                    self.groups[group].max_model_len - request.num_tokens - 1)
 
-    def _verify(self, request: Request, rows: torch.Tensor | HeadOutput) -> list[RequestOutput]:
-        """Check ``request``'s drafts against the step's logits (rows: hidden states (1 + drafts, hidden), or the
-        compiled step's ``HeadOutput``), row by row: each row's
+    def _verify(self, request: Request, hidden: torch.Tensor) -> list[RequestOutput]:
+        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)), row by row: each row's
         token is drawn as decoding would draw it (``draw``; under a grammar, masked by the grammar's state after the
         rows before) and goes through the usual stop rules; the next row is used while the draw is the draft.
         The cache keeps only accepted positions."""
         drafts, request.draft_ids = request.draft_ids, []
         try:
-            logits = rows.logits if isinstance(rows, HeadOutput) else self._head(rows)
+            logits = self._head(hidden)
             check_finite(logits)
         except Exception as error:  # this request alone ends
             return [self._failed(request, error, request.emitted)]
@@ -530,7 +526,7 @@ class Engine:
                     greedy: list[tuple[int, float]] | None = None) -> dict[int, TokenChoice]:
         """The tokens of the plain rows (``SamplingParams.plain``, no grammar, nothing banned), chosen
         together: {row: choice}.  greedy: per row the (token, log-probability) a compiled step chose by argmax
-        (``HeadOutput``): a greedy row takes it (no choice where the log-probability is NaN)."""
+        (``decode_graph.HeadOutput``): a greedy row takes it (no choice where the log-probability is NaN)."""
         rows = [i for i, (r, mask) in enumerate(zip(due, masks)) if mask is None and r.params.plain
                 and r.params.n == 1 and len(r.output_ids) >= r.params.min_tokens]
         if greedy is not None:
