@@ -21,15 +21,13 @@ __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-           down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702,
-           product=linear) -> torch.Tensor:
+           down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702) -> torch.Tensor:
     """down(act(gate x, up x)) for rows x (n, H), gate_up (2F, H) = [gate; up], down (H, F); optional
-    biases (2F,), (H,); ``limit``: gpt-oss's clamped activation, else silu(gate) * up.  product(rows, weight):
-    rows @ weight.T (``prepacked.packed_linear`` takes the weights' blocked copies instead)."""
-    h = product(x, gate_up)
+    biases (2F,), (H,); ``limit``: gpt-oss's clamped activation, else silu(gate) * up."""
+    h = linear(x, gate_up)
     if gate_up_bias is not None:
         h = h + gate_up_bias
-    y = product(activate(h, limit, alpha), down)
+    y = linear(activate(h, limit, alpha), down)
     return y if down_bias is None else y + down_bias
 
 
@@ -66,15 +64,11 @@ class SwiGLUExperts(nn.Module):
         """The weights of experts ``chosen`` (n,): gate_up (n, 2F, H), down (n, H, F)."""
         return self.gate_up[chosen], self.down[chosen]
 
-    def _weights(self, e: int, gate_ups=None, downs=None, gate_up_biases=None, down_biases=None):
-        return dict(gate_up=(gate_ups or self.gate_up)[e], down=(downs or self.down)[e],
-                    gate_up_bias=None if self.gate_up_bias is None else (gate_up_biases or self.gate_up_bias)[e],
-                    down_bias=None if self.down_bias is None else (down_biases or self.down_bias)[e],
-                    limit=self.limit, alpha=self.alpha)
-
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on rows x (n, H) -> (n, H)."""
-        return swiglu(x, **self._weights(e))
+        return swiglu(x, self.gate_up[e], self.down[e],
+                      None if self.gate_up_bias is None else self.gate_up_bias[e],
+                      None if self.down_bias is None else self.down_bias[e], self.limit, self.alpha)
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (N, H) sorted by expert with ``counts[e]`` rows for expert e: one matmul pair per expert.
