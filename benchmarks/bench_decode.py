@@ -17,10 +17,13 @@ median is reported with:
   the profiler also pays the profiler's recording of every op, most of them host-side ops: that share is
   reported too (``host_overhead_share_profiled``); on a machine whose speed drifts the two can swap places.
 
-Each batch runs three ways, side by side (``measure_modes``: steps in turns): the eager step
+Each batch runs four ways, side by side (``measure_modes``: steps in turns): the eager step
 (``decode_graph="off"``), the compiled decode graph (``decode_graph="compiled"``, its compile time reported; the
-ratio is the speed-up), and the compiled graph with one copy of the weights (``prepack_weights=False``: the eager products, the experts' sorted GEMMs of 32 and more
-tokens among them, through MKL instead of oneDNN's prepacked copies, ``ringmoe.prepacked``).
+ratio is the speed-up), the compiled graph with one copy of the weights (``prepack_weights=False``: the eager
+products, the experts' sorted GEMMs among them, through MKL instead of the prepacked copies, ``ringmoe.prepacked``),
+and the compiled graph whose expert stacks are prepacked as oneDNN copies, one product per expert, instead of
+``ringmoe.panel_gemm``'s panels and grouped kernel (where that kernel runs; the step then also takes the dense form
+at 16-31 tokens, as it does without the kernel).
 
 Writes benchmarks/results/decode.json and decode.png.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from contextlib import contextmanager
 from copy import deepcopy
 import sys
 import time
@@ -41,16 +45,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pyplot, write_results  # noqa: E402
 
+from ringmoe import panel_gemm  # noqa: E402
 from ringmoe.model import MoETransformer, preset  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 
 PROMPT = 64
 # kernels that do the step's arithmetic; everything else in a step is overhead
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-               "aten::baddbmm", "aten::linear", "mkldnn::_linear_pointwise")
+               "aten::baddbmm", "aten::linear", "mkldnn::_linear_pointwise", "ringmoe::panel_grouped_linear")
 # (label, Engine options) of the rows measured at each batch size
 MODES = {"off": dict(decode_graph="off"), "compiled": dict(decode_graph="compiled"),
-         "compiled, one weight copy": dict(decode_graph="compiled", prepack_weights=False)}
+         "compiled, one weight copy": dict(decode_graph="compiled", prepack_weights=False),
+         "compiled, oneDNN expert copies": dict(decode_graph="compiled")}
+NO_PANELS = {"compiled, oneDNN expert copies"}  # modes whose engine packs its expert stacks without panel_gemm
 GRAPH_CALL = "## Call CompiledFxGraph"
 
 
@@ -136,6 +143,18 @@ def measure(model: MoETransformer, batch: int, steps: int, mode: str, max_num_se
     return measure_modes({mode: model}, batch, steps, max_num_seqs, prompt, **engine_options)[0]
 
 
+@contextmanager
+def panel_kernel(allowed: bool):
+    """Engines built inside pack their expert stacks for ``panel_gemm`` only if ``allowed`` (and it runs here)."""
+    real = panel_gemm.available
+    if not allowed:
+        panel_gemm.available = lambda: False
+    try:
+        yield
+    finally:
+        panel_gemm.available = real
+
+
 def measure_modes(models: dict[str, MoETransformer], batch: int, steps: int, max_num_seqs: int = 64,
                   prompt: int = PROMPT, block: int = 16, **engine_options) -> list[dict]:
     """``measure`` for several modes side by side: models maps each mode to its model (copies of one: a model's
@@ -145,9 +164,10 @@ def measure_modes(models: dict[str, MoETransformer], batch: int, steps: int, max
     engines, modes = [], list(models)
     model = models[modes[0]]
     for mode in modes:
-        engine = Engine(models[mode], kv_cache_tokens=batch * (prompt + 3 * steps + 32) + 256,
-                        max_num_seqs=max(max_num_seqs, batch),
-                        max_num_batched_tokens=max(2048, batch * prompt), **{**MODES[mode], **engine_options})
+        with panel_kernel(mode not in NO_PANELS):
+            engine = Engine(models[mode], kv_cache_tokens=batch * (prompt + 3 * steps + 32) + 256,
+                            max_num_seqs=max(max_num_seqs, batch),
+                            max_num_batched_tokens=max(2048, batch * prompt), **{**MODES[mode], **engine_options})
         gen = torch.Generator().manual_seed(batch)
         params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
         for _ in range(batch):
@@ -180,7 +200,8 @@ def plot(data: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, label in (("off", "eager step"), ("compiled", "compiled decode graph"),
-                        ("compiled, one weight copy", "compiled, without prepacked weights")):
+                        ("compiled, one weight copy", "compiled, without prepacked weights"),
+                        ("compiled, oneDNN expert copies", "compiled, experts through oneDNN copies")):
         rows = [r for r in data["steps"] if r["mode"] == mode]
         ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label=label)
     ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "s--",
@@ -224,9 +245,12 @@ def main() -> None:
     speedup = {str(r["batch"]): eager[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
     plain = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "compiled, one weight copy"}
     prepack_speedup = {str(r["batch"]): plain[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
+    onednn = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "compiled, oneDNN expert copies"}
+    panel_speedup = {str(r["batch"]): onednn[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
     data = {"model": "small preset, random weights, float32", "threads": 2, "device": args.device,
             "prompt_tokens": PROMPT,
             "rates": rates, "steps": rows, "compiled_speedup": speedup, "prepacked_speedup": prepack_speedup,
+            "panel_kernel": panel_gemm.available(), "panel_kernel_speedup": panel_speedup,
             "compile_s": max(r["compile_s"] for r in rows)}
     out = write_results(args.name, data)
     plot(data, out.with_suffix(".png"))

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringmoe import prepacked
+from ringmoe import panel_gemm, prepacked
 from ringmoe.batch_invariant import InvariantLinear, batch_invariant, linear
 from ringmoe.moe.experts import SwiGLUExperts
-from ringmoe.prepacked import packed, packed_linear, prepack, prepack_module, prepack_supported, prepacked_bytes
+from ringmoe.prepacked import (packed, packed_linear, packed_panels, prepack, prepack_module, prepack_supported,
+                               prepacked_bytes)
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)), reason="torch built without oneDNN")
 
@@ -93,8 +94,15 @@ def test_copies_stay_out_of_modules_and_leave_with_their_weight():
     assert prepack(torch.randn(4, 4, dtype=torch.float64)) == 0  # not supported: no copy
 
 
+@pytest.mark.parametrize("copy", ["panels", "onednn"])
 @pytest.mark.parametrize("bias, limit", [(False, None), (True, 7.0)])
-def test_grouped_experts_through_packed_copies_equal_the_plain_products(bias, limit):
+def test_grouped_experts_through_packed_copies_equal_the_plain_products(bias, limit, copy, monkeypatch):
+    """Expert stacks are packed as ``panel_gemm``'s panels where that kernel runs, else as oneDNN copies: both
+    give the plain products' values (float64 reference, within twice the plain float32 error)."""
+    if copy == "panels" and not panel_gemm.available():
+        pytest.skip("panel_gemm does not run here (needs x86-64 with AVX2 and a C compiler)")
+    if copy == "onednn":
+        monkeypatch.setattr(panel_gemm, "available", lambda: False)
     torch.manual_seed(11)
     experts = SwiGLUExperts(5, 48, 40, bias=bias, limit=limit)
     if bias:
@@ -106,7 +114,10 @@ def test_grouped_experts_through_packed_copies_equal_the_plain_products(bias, li
     with torch.no_grad():
         plain = experts.grouped(x, counts)
         assert prepack_module(experts) == (5 * 80 * 48 + 5 * 48 * 40) * 4
-        assert packed(experts.gate_up, x) is not None and len(packed(experts.down, x)) == 5
+        if copy == "panels":
+            assert packed(experts.gate_up, x) is None and packed_panels(experts.down, x).shape == (5, 48 * 40)
+        else:
+            assert packed_panels(experts.gate_up, x) is None and len(packed(experts.down, x)) == 5
         fast = experts.grouped(x, counts)
         ref = experts.double().grouped(x.double(), counts)  # float64: no copy (not supported), the plain products
     plain_error = (plain.double() - ref).abs().max().item()

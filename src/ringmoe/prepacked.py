@@ -1,4 +1,4 @@
-"""Weights kept a second time in oneDNN's blocked layout, for the CPU products of few rows that decode steps run.
+"""Weights kept a second time in a layout for the CPU products of few rows that decode steps run.
 
 A decode step multiplies a handful of rows (one per request, or per request routed to an expert) by each weight
 matrix.  MKL's sgemm packs the weight into its own panel layout on every call, and for a few rows that packing
@@ -6,7 +6,9 @@ is most of the work: a (8, 256) x (256, 1024) product from cold memory took ~190
 machine (an AMD EPYC, AVX2), about 5 GB/s of weights.  oneDNN multiplies a weight that was reordered once into
 its blocked layout (the pair of private operators torch's inductor uses for the same purpose) in ~85 us, and an
 LM head (4096 x 256) at 8 rows in ~320 us instead of ~1050 us (each product alone, cold; whole decode steps:
-``benchmarks/bench_decode.py``).
+``benchmarks/bench_decode.py``).  A stack of expert matrices (E, out, in) is packed instead into the 16-column
+panels of ``ringmoe.panel_gemm`` where that kernel runs (x86-64 with AVX2), whose grouped product of all the
+experts in one call is faster still (2.4-4x the oneDNN copies at 2-128 rows): ``packed_panels`` returns it.
 
 ``prepack(weight)`` stores the blocked copy beside the parameter (a side table keyed by the tensor: modules,
 state dicts and deep copies never see it); ``packed(weight, x)`` returns it only where it gives the plain
@@ -24,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["prepack_supported", "prepack", "packed", "packed_linear", "prepacked_bytes", "prepack_module"]
+from . import panel_gemm
+
+__all__ = ["prepack_supported", "prepack", "packed", "packed_panels", "has_panels", "packed_linear",
+           "prepacked_bytes", "prepack_module"]
 
 
 @dataclass
@@ -32,7 +37,8 @@ class _Pack:
     source: weakref.ref   # the parameter it copies (an id may be reused once that one is freed)
     version: int          # the parameter's version counter when it was packed
     data_ptr: int         # and where its values lay (``module.to(...)``, ``.data = ...`` move them)
-    matrices: list        # one blocked copy per (out, in) matrix: one for a 2-D weight, E for an (E, out, in) stack
+    matrices: list | None         # oneDNN: one blocked copy per (out, in) matrix (one for a 2-D weight, E for a stack)
+    panels: torch.Tensor | None   # or a stack's panel copy (E, out * in) for ``panel_gemm.grouped_linear``
     nbytes: int
 
 
@@ -46,40 +52,72 @@ def prepack_supported(weight: torch.Tensor) -> bool:
 
 
 def prepack(weight: torch.Tensor, rows_hint: int = 8) -> int:
-    """Store oneDNN's blocked copy of ``weight`` (each matrix of a stack apart); its bytes, 0 when the weight
-    cannot be packed (``prepack_supported``).  ``rows_hint``: the rows a product usually has (a hint to oneDNN's
-    choice of layout; products of any row count use the copy)."""
+    """Store a second copy of ``weight``: a stack (E, out, in) as ``panel_gemm``'s panels where that kernel runs,
+    else (and a 2-D weight always) oneDNN's blocked copy of each matrix; its bytes, 0 when the weight cannot be
+    packed (``prepack_supported``).  ``rows_hint``: the rows a product usually has (a hint to oneDNN's choice of
+    layout; products of any row count use the copy)."""
     if not prepack_supported(weight):
         return 0
     key = id(weight)
+    matrices = panels = None
     with torch.no_grad():
         stack = weight.detach()
-        matrices = [torch.ops.mkldnn._reorder_linear_weight(m.contiguous(), rows_hint)
-                    for m in (stack.unbind(0) if stack.dim() == 3 else (stack,))]
+        if stack.dim() == 3 and panel_gemm.available():
+            panels = panel_gemm.pack(stack)
+        else:
+            matrices = [torch.ops.mkldnn._reorder_linear_weight(m.contiguous(), rows_hint)
+                        for m in (stack.unbind(0) if stack.dim() == 3 else (stack,))]
     if key not in _PACKS:
         weakref.finalize(weight, _PACKS.pop, key, None)
     nbytes = weight.numel() * weight.element_size()
-    _PACKS[key] = _Pack(weakref.ref(weight), weight._version, weight.data_ptr(), matrices, nbytes)
+    _PACKS[key] = _Pack(weakref.ref(weight), weight._version, weight.data_ptr(), matrices, panels, nbytes)
     return nbytes
 
 
-def packed(weight: torch.Tensor, x: torch.Tensor) -> list | None:
-    """The blocked copies of ``weight`` (a list: one per matrix) when a product of x by it may use them, else
-    None: packed and unchanged since, x of its dtype, no gradient through the product, not traced."""
-    if torch.compiler.is_compiling():  # first: a traced graph keeps the plain product and never sees the table
-        return None
+def _current(weight: torch.Tensor) -> _Pack | None:
+    """``weight``'s pack if it is unchanged since it was packed (same tensor, version and storage)."""
     pack = _PACKS.get(id(weight))
     if (pack is None or pack.source() is not weight or pack.version != weight._version
-            or pack.data_ptr != weight.data_ptr() or x.dtype != weight.dtype):
+            or pack.data_ptr != weight.data_ptr()):
+        return None
+    return pack
+
+
+def _usable(weight: torch.Tensor, x: torch.Tensor) -> _Pack | None:
+    """``weight``'s pack when a product of x by it may use it: packed and unchanged since, x of its dtype, no
+    gradient through the product, not traced."""
+    if torch.compiler.is_compiling():  # first: a traced graph keeps the plain product and never sees the table
+        return None
+    pack = _current(weight)
+    if pack is None or x.dtype != weight.dtype:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
-    return pack.matrices
+    return pack
+
+
+def packed(weight: torch.Tensor, x: torch.Tensor) -> list | None:
+    """The oneDNN copies of ``weight`` (a list: one per matrix) when a product of x by it may use them, else None."""
+    pack = _usable(weight, x)
+    return None if pack is None else pack.matrices
+
+
+def packed_panels(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """The panel copy of the stack ``weight`` (E, out * in) when a product of x by it may use it, else None."""
+    pack = _usable(weight, x)
+    return None if pack is None else pack.panels
 
 
 def packed_linear(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ W.T (+ bias) for one blocked copy of W (out, in) from ``packed``: (..., out)."""
     return torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")
+
+
+def has_panels(weight: torch.Tensor) -> bool:
+    """Does the stack ``weight`` have a current panel copy (``packed_panels`` hands it to the products that may
+    use it).  Call outside torch.compile (a traced graph never sees the table)."""
+    pack = _current(weight)
+    return pack is not None and pack.panels is not None
 
 
 def prepacked_bytes(weight: torch.Tensor) -> int:

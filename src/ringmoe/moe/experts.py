@@ -10,12 +10,15 @@ g = min(gate x + b_g, L), u = clamp(up x + b_u, -L, L), out = down((u + 1) * g *
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..batch_invariant import InvariantLinear, linear, rowwise, tile_rows
-from ..prepacked import packed, packed_linear
+from ..panel_gemm import grouped_linear
+from ..prepacked import has_panels, packed, packed_linear, packed_panels
 
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
@@ -77,7 +80,9 @@ class SwiGLUExperts(nn.Module):
         gradients once; indexing ``gate_up[e]`` per expert would instead build a
         full (E, 2F, H) gradient per expert (O(E^2) memory traffic).  Where the
         stacks were prepacked (``prepack_weights``) and no gradient is wanted,
-        each product uses its expert's oneDNN copy.  The biases and the
+        each round of products is one call of ``panel_gemm``'s grouped kernel
+        over the panel copies (all experts at once), or where that kernel does
+        not run each product uses its expert's oneDNN copy.  The biases and the
         activation run once over all rows, between the two rounds of products
         (elementwise, so row by row the same as per expert: four small ops per
         expert fewer; measured in one process, a compiled batch-32 / 64 decode
@@ -86,17 +91,37 @@ class SwiGLUExperts(nn.Module):
         active = [e for e, count in enumerate(counts) if count]
         if not active:
             return x.new_zeros(0, self.hidden_size)
-        packs = (packed(self.gate_up, x), packed(self.down, x)) if tile_rows() is None else (None, None)
-        product = packed_linear if None not in packs else linear
-        gate_ups, downs = packs if None not in packs else (self.gate_up.unbind(0), self.down.unbind(0))
         sizes = [counts[e] for e in active]
-        parts = x.split(counts)
-        h = torch.cat([product(parts[e], gate_ups[e]) for e in active])  # (N, 2F)
+        first, second = self._rounds(x, counts, active)
+        h = first(x)                                                                          # (N, 2F)
         if self.gate_up_bias is not None:
             h = h + self._row_bias(self.gate_up_bias, active, sizes)
-        rows = activate(h, self.limit, self.alpha).split(sizes)  # (n_e, F) per active expert
-        y = torch.cat([product(part, downs[e]) for e, part in zip(active, rows)])
+        y = second(activate(h, self.limit, self.alpha))                                       # (N, H)
         return y if self.down_bias is None else y + self._row_bias(self.down_bias, active, sizes)
+
+    def grouped_kernel_ready(self) -> bool:
+        """Will ``grouped`` (outside a traced graph, without gradients) run ``panel_gemm``'s grouped kernel: both
+        stacks have current panel copies."""
+        return has_panels(self.gate_up) and has_panels(self.down)
+
+    def _rounds(self, x: torch.Tensor, counts: list[int], active: list[int]) -> tuple:
+        """The two rounds of ``grouped``'s products, each rows (N, in) sorted by expert -> (N, out): the grouped
+        kernel over the panel copies, else one product per active expert (its oneDNN copy, or the weight)."""
+        sizes = [counts[e] for e in active]
+        if tile_rows() is None:
+            panels = packed_panels(self.gate_up, x), packed_panels(self.down, x)
+            if None not in panels:
+                return tuple(partial(grouped_linear, counts=counts, packed=copy, out_features=width)
+                             for copy, width in zip(panels, (2 * self.ffn_size, self.hidden_size)))
+            packs = packed(self.gate_up, x), packed(self.down, x)
+            if None not in packs:
+                return tuple(self._per_expert(packed_linear, matrices, active, sizes) for matrices in packs)
+        return tuple(self._per_expert(linear, stack.unbind(0), active, sizes) for stack in (self.gate_up, self.down))
+
+    @staticmethod
+    def _per_expert(product, matrices, active: list[int], sizes: list[int]):
+        """rows (N, in) sorted by expert -> (N, out): each active expert's rows times its matrix."""
+        return lambda rows: torch.cat([product(part, matrices[e]) for e, part in zip(active, rows.split(sizes))])
 
     @staticmethod
     def _row_bias(bias: torch.Tensor, active: list[int], sizes: list[int]) -> torch.Tensor:

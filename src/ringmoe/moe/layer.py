@@ -19,6 +19,10 @@ from .stats import MoEStats
 
 __all__ = ["MoELayer", "check_capacity_factor"]
 
+# forward_static: from this many tokens the sorted GEMMs, below it every expert on every token (where the
+# per-assignment products stop), unless the experts run panel_gemm's grouped kernel (MoELayer.fit_static_forms)
+DENSE_BELOW = 32
+
 
 def check_capacity_factor(capacity_factor) -> None:
     """None (dropless) or a finite number > 0; ValueError naming capacity_factor otherwise."""
@@ -96,7 +100,7 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size, expert_bias, swiglu_limit, swiglu_alpha)
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
-        self.dense_below = 32  # forward_static: from this many tokens, the sorted GEMMs (bench_decode.py)
+        self.dense_below = DENSE_BELOW  # forward_static: from this many tokens, the sorted GEMMs (fit_static_forms)
         # forward_static: below this many token-expert assignments, each reads its expert's weights (measured
         # with 8 and 16 experts on 2 CPU threads: up to ~3-4 x num_experts assignments this beats every expert
         # on every token, whose batched GEMMs of a few rows run far below the machine's rate)
@@ -167,6 +171,16 @@ class MoELayer(nn.Module):
     def static_ready(self) -> bool:
         """The layer can run ``forward_static``: dropless, every expert local."""
         return self.capacity_factor is None and self.ep_size == 1
+
+    def fit_static_forms(self) -> None:
+        """Set ``forward_static``'s switch to the sorted GEMMs for the way this layer's experts run now: where they
+        run ``panel_gemm``'s grouped kernel (the stacks were prepacked on a CPU with AVX2) the sorted GEMMs beat
+        every expert on every token at every size (a compiled decode step of the small preset at batch 16 / 24:
+        1.26x / 1.40x), so that form is skipped and they follow the per-assignment products directly; else from
+        ``DENSE_BELOW`` tokens (the dense form's batched GEMMs win below that against the per-expert library
+        products; ``benchmarks/bench_decode.py``).  The decode graph calls it before tracing."""
+        ready = getattr(self.experts, "grouped_kernel_ready", None)
+        self.dense_below = -(-self.gathered_below // self.top_k) if ready is not None and ready() else DENSE_BELOW
 
     def static_form_edges(self) -> tuple[int, int]:
         """The token counts from which ``forward_static`` changes form: the first past the gathered products, and

@@ -189,6 +189,7 @@ class DecodeGraph:
         self.moe_blocks = [layer.mlp for _, layer in runner.model.moe_layers()]
         for block in self.moe_blocks:  # the experts' operator finds these layers (not a copy's)
             block.register_op()
+            block.fit_static_forms()  # the switch between the experts' forms, for the products they run now
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
         self.fn = compiled_step(runner.model) if compile else _decode_step
