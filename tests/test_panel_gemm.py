@@ -10,7 +10,10 @@ import torch
 
 from ringmoe import panel_gemm
 from ringmoe.model import MoETransformer, preset
-from ringmoe.moe.layer import DENSE_BELOW
+from ringmoe.moe.dispatch import permute, plan_dispatch, unpermute
+from ringmoe.moe.experts import SwiGLUExperts
+from ringmoe.moe.layer import DENSE_BELOW, MoELayer
+from ringmoe.prepacked import prepack_module
 from ringmoe.serve import Engine, SamplingParams
 
 pytestmark = pytest.mark.skipif(not panel_gemm.available(), reason="panel_gemm runs on x86-64 with AVX2 and a compiler")
@@ -101,10 +104,81 @@ def test_the_build_is_cached_by_source_and_a_failed_build_raises(tmp_path, monke
     assert [p.name for p in first.parent.iterdir()] == [first.name]
 
 
+def _routed_reference(experts: SwiGLUExperts, x, topk_idx, topk_weight):
+    """The layer's torch path (sort, per-expert products, weighted sum) on copies in float64."""
+    experts = deepcopy(experts).double()
+    plan = plan_dispatch(topk_idx, topk_weight.double(), experts.num_experts, None)
+    out = experts.grouped(permute(x.double(), plan, experts.num_experts), plan.counts.tolist())
+    return unpermute(out, plan, topk_weight.double(), x.shape[0])
+
+
+@pytest.mark.parametrize("seed, experts, hidden, ffn, tokens, k, bias, limit", [
+    (1, 8, 96, 40, 13, 2, False, None), (2, 5, 37, 19, 1, 3, True, 7.0), (3, 4, 64, 64, 40, 1, True, None),
+    (4, 16, 24, 11, 7, 4, False, 2.5)])
+def test_the_routed_part_in_one_call_matches_float64(seed, experts, hidden, ffn, tokens, k, bias, limit):
+    """``routed_experts`` (sort, gathers, products, activation with its own exp, weighted sum: all in C) against
+    the torch path in float64: odd widths, one token, top-1..4, biases, gpt-oss's clamped activation with inputs
+    past the clamp; within twice the float32 torch path's error; the counts are the assignments per expert."""
+    torch.manual_seed(seed)
+    layer = SwiGLUExperts(experts, hidden, ffn, bias=bias, limit=limit)
+    if bias:
+        with torch.no_grad():
+            layer.gate_up_bias.normal_()
+            layer.down_bias.normal_()
+    x = 3 * torch.randn(tokens, hidden)  # large enough that the activation's clamp and tails are exercised
+    topk_idx = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    topk_weight = torch.rand(tokens, k)
+    with torch.no_grad():
+        y, counts = panel_gemm.routed_experts(x, topk_idx, topk_weight, panel_gemm.pack(layer.gate_up),
+                                              panel_gemm.pack(layer.down), ffn, layer.gate_up_bias,
+                                              layer.down_bias, limit, layer.alpha)
+        plan = plan_dispatch(topk_idx, topk_weight, experts, None)
+        plain = unpermute(layer.grouped(permute(x, plan, experts), plan.counts.tolist()), plan, topk_weight, tokens)
+    ref = _routed_reference(layer, x, topk_idx, topk_weight)
+    assert counts.tolist() == torch.bincount(topk_idx.flatten(), minlength=experts).tolist()
+    plain_error = (plain.double() - ref).abs().max().item()
+    assert (y.double() - ref).abs().max().item() <= 2 * plain_error + 1e-6 * ref.abs().max().item()
+
+
+def test_the_routed_part_refuses_an_expert_index_out_of_range():
+    layer = SwiGLUExperts(4, 16, 8)
+    gate_up, down = panel_gemm.pack(layer.gate_up), panel_gemm.pack(layer.down)
+    x, weight = torch.randn(3, 16), torch.rand(3, 2)
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+            panel_gemm.routed_experts(x, torch.tensor([[0, 1], [2, bad], [3, 0]]), weight, gate_up, down, 8)
+    with pytest.raises(ValueError, match="do not match"):
+        panel_gemm.routed_experts(x, torch.tensor([[0, 1], [2, 3], [3, 0]]), weight.double(), gate_up, down, 8)
+
+
+def test_a_prepacked_layer_runs_its_routed_part_in_one_call_with_the_same_output_and_statistics():
+    """``MoELayer.forward`` on a CPU with panel copies: the fused call (its counts become ``last_stats``), the same
+    output as the layer without copies; with gradients wanted, the torch path (the copies are not used)."""
+    torch.manual_seed(5)
+    layer = MoELayer(64, 32, num_experts=8, top_k=2).eval()
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        plain = layer(x)
+        plain_stats = layer.last_stats
+        prepack_module(layer)
+        assert layer.experts.routed(x.reshape(-1, 64), *_route(layer, x)) is not None
+        fused = layer(x)
+    assert torch.allclose(fused, plain, rtol=1e-5, atol=1e-6) and not torch.equal(fused, torch.zeros_like(fused))
+    assert layer.last_stats.tokens_per_expert.tolist() == plain_stats.tokens_per_expert.tolist()
+    assert layer.last_stats.dropped_tokens == 0 and layer.last_stats.routing is not None
+    assert layer.experts.routed(x.reshape(-1, 64).requires_grad_(), *_route(layer, x)) is None  # a gradient: torch
+
+
+def _route(layer, x):
+    routing = layer.router(x.reshape(-1, x.shape[-1]))
+    return routing.topk_idx, routing.topk_weight
+
+
 def test_a_prepacked_engine_runs_the_sorted_products_where_every_expert_on_every_token_ran():
-    """With panel copies the fixed-shape step skips the dense form (``MoELayer.fit_static_forms``); without them the
-    dense form keeps its range; both engines give the same greedy tokens while the batch shrinks from 36 rows
-    (sorted products) through the dense range to the per-assignment products (requests end one by one)."""
+    """With panel copies the fixed-shape step takes the sorted products (one C call) from num_experts assignments
+    and skips the dense form (``MoELayer.fit_static_forms``); without them the forms keep their ranges; both
+    engines give the same greedy tokens while the batch shrinks from 36 rows (sorted products) through the dense
+    range to the per-assignment products (requests end one by one)."""
     torch.manual_seed(0)
     base = MoETransformer(preset("tiny")).eval()
     gen = torch.Generator().manual_seed(1)
@@ -116,6 +190,8 @@ def test_a_prepacked_engine_runs_the_sorted_products_where_every_expert_on_every
         engine = Engine(model, prepack_weights=prepack, decode_graph="static", max_num_seqs=40)
         for _, layer in model.moe_layers():
             assert layer.mlp.experts.grouped_kernel_ready() is prepack
+            experts = layer.mlp.num_experts
+            assert layer.mlp.gathered_below == (experts if prepack else 4 * experts)
             assert layer.mlp.dense_below == (layer.mlp.static_form_edges()[0] if prepack else DENSE_BELOW)
         tokens[prepack] = [out.output_ids for out in engine.generate(prompts, params)]
     assert tokens[True] == tokens[False] and [len(ids) for ids in tokens[True]] == list(range(1, 37))

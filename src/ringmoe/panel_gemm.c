@@ -137,3 +137,120 @@ int panel_grouped(const float *x, const int64_t *offsets, int64_t G, const float
     free(active);
     return 0;
 }
+
+/* ---- a MoE layer's routed experts in one call --------------------------------------------------------------- */
+
+/* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (the first term left out,
+ * r^8 / 8!, is below 6e-9 of e^r there: under float32's half ulp), times 2^n built in the exponent bits.  x is
+ * clamped to [-87, 88], where e^x and 2^n stay normal floats. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln2, ln2 split in a part with few significant bits (n * hi exact) and the rest */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* 1 / (1 + e^-z) */
+static inline __m256 sigmoid8(__m256 z) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
+
+/* One row of the activation: h = [gate | up] (2F,) -> a (F,).  limit < 0: silu(gate) * up; else gpt-oss's
+ * g = min(gate, limit), u = clamp(up, -limit, limit), a = (u + 1) * g * sigmoid(alpha g). */
+static void activate_row(const float *h, int64_t F, float limit, float alpha, float *a) {
+    int64_t f = 0;
+    for (; f + 8 <= F; f += 8) {
+        __m256 g = _mm256_loadu_ps(h + f), u = _mm256_loadu_ps(h + F + f);
+        if (limit < 0) {
+            _mm256_storeu_ps(a + f, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), u));
+        } else {
+            __m256 lim = _mm256_set1_ps(limit);
+            g = _mm256_min_ps(g, lim);
+            u = _mm256_min_ps(_mm256_max_ps(u, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+            __m256 s = sigmoid8(_mm256_mul_ps(g, _mm256_set1_ps(alpha)));
+            _mm256_storeu_ps(a + f, _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.0f)), g), s));
+        }
+    }
+    if (f < F) {  /* the row's last F mod 8 values, through a zero-padded vector */
+        float gt[8] = {0}, ut[8] = {0}, at[8], ht[16];
+        memcpy(gt, h + f, sizeof(float) * (F - f));
+        memcpy(ut, h + F + f, sizeof(float) * (F - f));
+        memcpy(ht, gt, sizeof gt);
+        memcpy(ht + 8, ut, sizeof ut);
+        activate_row(ht, 8, limit, alpha, at);
+        memcpy(a + f, at, sizeof(float) * (F - f));
+    }
+}
+
+/* A MoE layer's routed output, dropless, for T tokens x (T, H) with their top-k experts topk_idx (T, k) and
+ * combine weights topk_weight (T, k): the T k assignments are sorted by expert (stably: token order within an
+ * expert), their rows gathered, multiplied by the experts' gate_up (E, 2F, H) and down (E, H, F) stacks in panel
+ * order (biases (E, 2F), (E, H) or NULL) with the activation between, and each token's outputs summed with its
+ * weights in that sorted order: y (T, H) = sum over the token's assignments of w (down(act(gate_up x))).  counts
+ * (E,) receives the assignments per expert.  Returns 0; -1 when out of memory; -2 for an expert index outside
+ * [0, E) (y is then unwritten). */
+int panel_moe(const float *x, int64_t T, int64_t H, const int64_t *topk_idx, const float *topk_weight, int64_t k,
+              int64_t E, const float *gate_up, const float *gate_up_bias, const float *down, const float *down_bias,
+              int64_t F, float limit, float alpha, float *y, int64_t *counts, int threads) {
+    int64_t N = T * k;
+    for (int64_t i = 0; i < N; i++)
+        if (topk_idx[i] < 0 || topk_idx[i] >= E) return -2;
+    int64_t *offsets = calloc((size_t)E + 1, sizeof(int64_t)), *fill = malloc(sizeof(int64_t) * (E + 1));
+    int64_t *token = malloc(sizeof(int64_t) * (N + 1));
+    float *weight = malloc(sizeof(float) * (N + 1)), *rows = malloc(sizeof(float) * (N * H + 1));
+    float *h = malloc(sizeof(float) * (N * 2 * F + 1)), *a = malloc(sizeof(float) * (N * F + 1));
+    float *out = malloc(sizeof(float) * (N * H + 1));
+    int status = 0;
+    if (!offsets || !fill || !token || !weight || !rows || !h || !a || !out) {
+        status = -1;
+        goto done;
+    }
+    for (int64_t i = 0; i < N; i++) offsets[topk_idx[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) {
+        counts[e] = offsets[e + 1];
+        offsets[e + 1] += offsets[e];
+    }
+    memcpy(fill, offsets, sizeof(int64_t) * (E + 1));
+    for (int64_t i = 0; i < N; i++) {
+        int64_t r = fill[topk_idx[i]]++;
+        token[r] = i / k;
+        weight[r] = topk_weight[i];
+        memcpy(rows + r * H, x + (i / k) * H, sizeof(float) * H);
+    }
+    if (panel_grouped(rows, offsets, E, gate_up, 2 * F, H, h, threads) != 0) { status = -1; goto done; }
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = offsets[e]; r < offsets[e + 1]; r++) {
+            float *hr = h + r * 2 * F;
+            if (gate_up_bias)
+                for (int64_t c = 0; c < 2 * F; c++) hr[c] += gate_up_bias[e * 2 * F + c];
+            activate_row(hr, F, limit, alpha, a + r * F);
+        }
+    if (panel_grouped(a, offsets, E, down, H, F, out, threads) != 0) { status = -1; goto done; }
+    memset(y, 0, sizeof(float) * T * H);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = offsets[e]; r < offsets[e + 1]; r++) {
+            float *yt = y + token[r] * H;
+            const float *o = out + r * H;
+            for (int64_t c = 0; c < H; c++) {
+                float v = down_bias ? o[c] + down_bias[e * H + c] : o[c];
+                float term = weight[r] * v;  /* rounded apart, then added (no fused multiply-add): torch's order */
+                yt[c] += term;
+            }
+        }
+done:
+    free(offsets); free(fill); free(token); free(weight); free(rows); free(h); free(a); free(out);
+    return status;
+}

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "pack", "grouped_linear"]
+__all__ = ["available", "pack", "grouped_linear", "routed_experts"]
 
 _LOG = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("panel_gemm.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BUILD_SECONDS = 120
 
 
@@ -93,6 +93,10 @@ def _library() -> ctypes.CDLL | None:
     lib.panel_pack.restype = None
     lib.panel_grouped.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
     lib.panel_grouped.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.panel_moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32, ptr, ptr,
+                              ctypes.c_int]
+    lib.panel_moe.restype = ctypes.c_int
     return lib
 
 
@@ -142,3 +146,41 @@ def _grouped(lib: ctypes.CDLL, x: torch.Tensor, counts: list[int], packed: torch
                                         k, y.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError("panel_gemm: out of memory for the work list")
     return y
+
+
+def routed_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, ffn_size: int, gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None, limit: float | None = None,
+                   alpha: float = 1.702) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's routed output, dropless, in one call: x (T, H) float32, topk_idx (T, k) int64 expert indices,
+    topk_weight (T, k) float32; the experts' stacks as panel copies (``pack``), gate_up (E, 2F * H) = [gate; up],
+    down (E, H * F); optional biases (E, 2F), (E, H) float32; ``limit``: gpt-oss's clamped activation, else
+    silu(gate) * up.  Returns y (T, H) float32 = for each token the sum over its k assignments, in expert order, of
+    weight x down(act(gate_up x)), and the assignments per expert (E,) int64.  The sort by expert, the gathers, the
+    activation (its own vectorised exp: within 2 float32 ulps of torch's) and the weighted sum run in C."""
+    lib = _library()
+    tokens, hidden = x.shape
+    experts = gate_up.shape[0]
+    if (lib is None or x.dtype != torch.float32 or topk_weight.dtype != torch.float32
+            or topk_idx.dtype != torch.int64 or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != tokens
+            or gate_up.shape[1] != 2 * ffn_size * hidden or tuple(down.shape) != (experts, hidden * ffn_size)):
+        raise ValueError(f"routed_experts: x {tuple(x.shape)} {x.dtype}, topk_idx {tuple(topk_idx.shape)} "
+                         f"{topk_idx.dtype}, topk_weight {tuple(topk_weight.shape)} {topk_weight.dtype} do not match "
+                         f"the stacks {tuple(gate_up.shape)}, {tuple(down.shape)} of ffn_size {ffn_size}")
+    biases = [None if b is None else b.detach().to(torch.float32).contiguous() for b in (gate_up_bias, down_bias)]
+    x, topk_idx, topk_weight = x.contiguous(), topk_idx.contiguous(), topk_weight.contiguous()
+    y = torch.empty(tokens, hidden, dtype=torch.float32)
+    counts = torch.empty(experts, dtype=torch.int64)
+    status = lib.panel_moe(x.data_ptr(), tokens, hidden, topk_idx.data_ptr(), topk_weight.data_ptr(),
+                           topk_idx.shape[1], experts, gate_up.data_ptr(), _address(biases[0]), down.data_ptr(),
+                           _address(biases[1]), ffn_size, -1.0 if limit is None else float(limit), float(alpha),
+                           y.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"routed_experts: topk_idx holds an expert index outside [0, {experts})")
+    if status != 0:
+        raise MemoryError("panel_gemm: out of memory for a MoE layer's buffers")
+    return y, counts
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

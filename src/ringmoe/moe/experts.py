@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..batch_invariant import InvariantLinear, linear, rowwise, tile_rows
-from ..panel_gemm import grouped_linear
+from ..panel_gemm import grouped_linear, routed_experts
 from ..prepacked import has_panels, packed, packed_linear, packed_panels
 
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
@@ -99,6 +99,23 @@ class SwiGLUExperts(nn.Module):
         y = second(activate(h, self.limit, self.alpha))                                       # (N, H)
         return y if self.down_bias is None else y + self._row_bias(self.down_bias, active, sizes)
 
+    def routed(self, x: torch.Tensor, topk_idx: torch.Tensor,
+               topk_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A MoE layer's whole dropless routed part in one call of ``panel_gemm.routed_experts`` (sort by expert,
+        gathers, both rounds of products, activation, weighted sum) where the stacks' panel copies apply (float32
+        on a CPU with AVX2, prepacked, no gradient wanted, outside the deterministic mode and torch.compile's
+        tracing): (y (T, H) float32, assignments per expert (E,) int64); else None.  x (T, H), topk_idx /
+        topk_weight (T, k)."""
+        if tile_rows() is not None or topk_weight.dtype != torch.float32:
+            return None
+        if torch.is_grad_enabled() and topk_weight.requires_grad:
+            return None
+        gate_up, down = packed_panels(self.gate_up, x), packed_panels(self.down, x)
+        if gate_up is None or down is None:
+            return None
+        return routed_experts(x, topk_idx, topk_weight, gate_up, down, self.ffn_size, self.gate_up_bias,
+                              self.down_bias, self.limit, self.alpha)
+
     def grouped_kernel_ready(self) -> bool:
         """Will ``grouped`` (outside a traced graph, without gradients) run ``panel_gemm``'s grouped kernel: both
         stacks have current panel copies."""
@@ -110,11 +127,11 @@ class SwiGLUExperts(nn.Module):
         sizes = [counts[e] for e in active]
         if tile_rows() is None:
             panels = packed_panels(self.gate_up, x), packed_panels(self.down, x)
-            if None not in panels:
+            if all(copy is not None for copy in panels):  # (``None in`` would compare each tensor with None: ~70 us)
                 return tuple(partial(grouped_linear, counts=counts, packed=copy, out_features=width)
                              for copy, width in zip(panels, (2 * self.ffn_size, self.hidden_size)))
             packs = packed(self.gate_up, x), packed(self.down, x)
-            if None not in packs:
+            if all(copy is not None for copy in packs):
                 return tuple(self._per_expert(packed_linear, matrices, active, sizes) for matrices in packs)
         return tuple(self._per_expert(linear, stack.unbind(0), active, sizes) for stack in (self.gate_up, self.down))
 

@@ -138,22 +138,33 @@ class MoELayer(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = capacity_for(self.capacity_factor, tokens, self.top_k, self.num_experts)
-        y, plan = self._local_experts(flat, routing, capacity)
+        y, self.last_stats = self._local_experts(flat, routing, capacity)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self.last_stats = self._stats(routing, plan)
         return y.to(x.dtype).reshape(x.shape)
 
     def _local_experts(self, flat: torch.Tensor, routing: Routing, capacity: int | None):
         """The routed part of the output (T, H) from this rank's experts, tokens sorted by expert (one GEMM
-        pair per expert, dropless; or the padded (E, C, H) buffer under a capacity); and the plan."""
+        pair per expert, dropless; or the padded (E, C, H) buffer under a capacity); and its statistics."""
+        if capacity is None:
+            fused = self._routed_in_one_call(flat, routing.topk_idx, routing.topk_weight)
+            if fused is not None:
+                y, counts = fused
+                return y, MoEStats(tokens_per_expert=counts, routed_per_expert=counts, dropped_assignments=0,
+                                   dropped_tokens=0, routing=routing, num_experts=self.num_experts)
         plan = plan_dispatch(routing.topk_idx, routing.topk_weight, self.num_experts, capacity)
         expert_in = permute(flat, plan, self.num_experts)
         if capacity is None:
             expert_out = self.experts.grouped(expert_in, plan.counts.tolist())
         else:
             expert_out = self.experts.padded(expert_in)
-        return unpermute(expert_out, plan, routing.topk_weight, flat.shape[0]), plan
+        return unpermute(expert_out, plan, routing.topk_weight, flat.shape[0]), self._stats(routing, plan)
+
+    def _routed_in_one_call(self, flat: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor):
+        """(y, counts) of the dropless routed part through the experts' single fused call where they have one
+        (``SwiGLUExperts.routed``: panel_gemm's C code), else None."""
+        routed = getattr(self.experts, "routed", None)
+        return None if routed is None else routed(flat, topk_idx, topk_weight)
 
     def register_op(self) -> None:
         """Make ``op_key`` name this layer (a deep copy of a layer carries its original's key): call outside
@@ -163,6 +174,9 @@ class MoELayer(nn.Module):
 
     def grouped_local(self, flat: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """The dropless sorted GEMMs of ``forward`` for a given routing: (T, H) (``grouped_op``'s body)."""
+        fused = self._routed_in_one_call(flat, topk_idx, topk_weight)
+        if fused is not None:
+            return fused[0]
         plan = plan_dispatch(topk_idx, topk_weight, self.num_experts, None)
         expert_out = self.experts.grouped(permute(flat, plan, self.num_experts), plan.counts.tolist())
         return unpermute(expert_out, plan, topk_weight, flat.shape[0])
@@ -173,14 +187,20 @@ class MoELayer(nn.Module):
         return self.capacity_factor is None and self.ep_size == 1
 
     def fit_static_forms(self) -> None:
-        """Set ``forward_static``'s switch to the sorted GEMMs for the way this layer's experts run now: where they
-        run ``panel_gemm``'s grouped kernel (the stacks were prepacked on a CPU with AVX2) the sorted GEMMs beat
-        every expert on every token at every size (a compiled decode step of the small preset at batch 16 / 24:
-        1.26x / 1.40x), so that form is skipped and they follow the per-assignment products directly; else from
-        ``DENSE_BELOW`` tokens (the dense form's batched GEMMs win below that against the per-expert library
-        products; ``benchmarks/bench_decode.py``).  The decode graph calls it before tracing."""
+        """Set ``forward_static``'s switches for the way this layer's experts run now.  Where they run
+        ``panel_gemm``'s C code (the stacks were prepacked on a CPU with AVX2: the whole routed part is one call,
+        ``SwiGLUExperts.routed``) the sorted GEMMs win from a few tokens on: measured in one process, a compiled
+        decode step of the small preset (8 experts, top-2) against the per-assignment products 0.80x / 0.92x at
+        batch 1 / 2, 1.02-1.12x at 4, 1.11x at 8, 1.35x at 12, and against every expert on every token 1.26x /
+        1.40x at 16 / 24; so the per-assignment products stop at ``num_experts`` assignments and the dense form
+        is skipped.  Else the defaults: per assignment below 4 x num_experts assignments, dense below
+        ``DENSE_BELOW`` tokens (``benchmarks/bench_decode.py``).  The decode graph calls it before tracing."""
         ready = getattr(self.experts, "grouped_kernel_ready", None)
-        self.dense_below = -(-self.gathered_below // self.top_k) if ready is not None and ready() else DENSE_BELOW
+        if ready is not None and ready():
+            self.gathered_below = self.num_experts
+            self.dense_below = -(-self.gathered_below // self.top_k)
+        else:
+            self.gathered_below, self.dense_below = 4 * self.num_experts, DENSE_BELOW
 
     def static_form_edges(self) -> tuple[int, int]:
         """The token counts from which ``forward_static`` changes form: the first past the gathered products, and
