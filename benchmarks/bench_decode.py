@@ -9,8 +9,8 @@ median is reported with:
   runs, attention over its context included) over the machine's measured sgemm rate (a (512, 512) x (512,
   512) product on the same threads), and the bytes floor: the weights the step must read once (attention,
   router, the experts its tokens select, the LM head) over a measured memory-copy rate;
-- the host-overhead share: the part of a step spent outside matmul / attention kernels and outside the compiled
-  graph's own code (inductor's fused C++ kernels and its C++ wrapper): the Python of the scheduler, the step's
+- the host-overhead share: the part of a step spent outside matmul / attention kernels (``ringmoe.panel_gemm``'s C
+  calls among them) and outside the compiled graph's own code (inductor's fused C++ kernels and its C++ wrapper): the Python of the scheduler, the step's
   inputs, torch.compile's guards, sampling, the K/V writes, dispatch and small ops.  The torch profiler tells the
   compute apart (its events' times); the share is one minus that compute over the wall time of as many steps
   run without the profiler, interleaved with the profiled ones (``host_overhead_share``).  A step timed under
@@ -52,7 +52,8 @@ from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 PROMPT = 64
 # kernels that do the step's arithmetic; everything else in a step is overhead
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-               "aten::baddbmm", "aten::linear", "mkldnn::_linear_pointwise", "ringmoe::panel_grouped_linear")
+               "aten::baddbmm", "aten::linear", "mkldnn::_linear_pointwise", "ringmoe::panel_grouped_linear",
+               "ringmoe::panel_routed_experts")  # (the last: a MoE layer's routed part in C, sort and sums included)
 # (label, Engine options) of the rows measured at each batch size
 MODES = {"off": dict(decode_graph="off"), "compiled": dict(decode_graph="compiled"),
          "compiled, one weight copy": dict(decode_graph="compiled", prepack_weights=False),

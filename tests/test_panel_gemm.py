@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from copy import deepcopy
 
@@ -87,6 +88,19 @@ def test_pack_keeps_the_weights_bytes_and_refuses_what_it_cannot_pack():
     assert panel_gemm.grouped_linear(torch.randn(0, 10), [0, 0, 0], packed, 21).shape == (0, 21)
 
 
+def test_a_profile_names_the_kernel_calls():
+    """The calls are C, invisible to torch's profiler unless named: ``bench_decode``'s host-overhead share counts
+    these names as compute."""
+    layer = SwiGLUExperts(4, 16, 8)
+    gate_up, down = panel_gemm.pack(layer.gate_up), panel_gemm.pack(layer.down)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        panel_gemm.grouped_linear(x, [1, 0, 2, 0], gate_up, 16)
+        panel_gemm.routed_experts(x, torch.tensor([[0, 1], [2, 3], [3, 0]]), torch.rand(3, 2), gate_up, down, 8)
+    names = {event.name for event in profile.events()}
+    assert {"ringmoe::panel_grouped_linear", "ringmoe::panel_routed_experts"} <= names
+
+
 def test_the_build_is_cached_by_source_and_a_failed_build_raises(tmp_path, monkeypatch):
     """A fresh cache folder gets one library (renamed from a staging folder, which is gone); a second call loads
     the same file without compiling; a source that does not compile raises (the caller then keeps torch's
@@ -102,6 +116,16 @@ def test_the_build_is_cached_by_source_and_a_failed_build_raises(tmp_path, monke
     with pytest.raises(subprocess.CalledProcessError):
         panel_gemm._build(source + b"\nthis is not C;\n", compiler)
     assert [p.name for p in first.parent.iterdir()] == [first.name]
+    blocked = tmp_path / "a file"  # a cache that cannot be made: the build goes to a private folder of its own
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    private = panel_gemm._build(source, compiler)
+    assert private.is_file() and private.name == first.name and private.parent.name.startswith("ringmoe-kernels-")
+    assert private.parent.stat().st_mode & 0o077 == 0  # not a path another user could have prepared
+    again = panel_gemm._build(source, compiler)
+    shutil.rmtree(private.parent)
+    shutil.rmtree(again.parent)
+    assert again.parent != private.parent  # never reused from a shared place
 
 
 def _routed_reference(experts: SwiGLUExperts, x, topk_idx, topk_weight):

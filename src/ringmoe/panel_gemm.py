@@ -15,7 +15,8 @@ and within float32 rounding of torch's product (a float64 reference in ``tests/t
 
 The C source is compiled once per machine at first use (the compiler ``cc``, -O3 -mavx2 -mfma -fopenmp; about a
 second) into ``~/.cache/ringmoe/kernels`` (``$XDG_CACHE_HOME`` honoured) under a name hashing the source and the
-flags, written to a staging file and renamed into place, so processes building at once never load half a file.
+flags, written to a staging file and renamed into place, so processes building at once never load half a file
+(where that folder cannot be written, into a private temporary folder of the process).
 Where it cannot be (no AVX2, not x86-64, no compiler, a failed build) ``available()`` is False and callers keep
 torch's products.  OpenMP threads: torch's own runtime (the library links ``libgomp.so.1``, which the process
 already holds from torch), as many as ``torch.get_num_threads()``.
@@ -52,23 +53,28 @@ def _cache_dir() -> Path:
 
 def _build(source: bytes, compiler: str) -> Path:
     """The shared library of ``source``, compiled unless a build of the same source and flags is cached."""
-    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:20]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"ringmoe-kernels-{os.getuid()}"):
-        target = folder / f"panel_gemm-{key}.so"
-        if target.is_file():
-            return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder, prefix=".staging-") as staging:
-                c_file, built = Path(staging) / "panel_gemm.c", Path(staging) / "panel_gemm.so"
-                c_file.write_bytes(source)
-                subprocess.run([compiler, *_FLAGS, str(c_file), "-o", str(built)], check=True, capture_output=True,
-                               timeout=_BUILD_SECONDS)
-                os.replace(built, target)
-            return target
-        except PermissionError:
-            continue  # an unwritable cache: try the temporary folder
-    raise PermissionError("no writable folder for the compiled kernel")
+    name = f"panel_gemm-{hashlib.sha256(source + ' '.join((compiler, *_FLAGS)).encode()).hexdigest()[:20]}.so"
+    cache = _cache_dir()
+    if (cache / name).is_file():
+        return cache / name
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        return _compile_into(cache, name, source, compiler)
+    except OSError:
+        # an unwritable cache: a folder of this process's own (mode 0700), never a fixed shared path such as
+        # /tmp/<name>, where another local user could have left a library of that name to be loaded
+        return _compile_into(Path(tempfile.mkdtemp(prefix="ringmoe-kernels-")), name, source, compiler)
+
+
+def _compile_into(folder: Path, name: str, source: bytes, compiler: str) -> Path:
+    """Compile ``source`` in a staging folder inside ``folder`` and rename the library to ``folder / name``."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".staging-") as staging:
+        c_file, built = Path(staging) / "panel_gemm.c", Path(staging) / "panel_gemm.so"
+        c_file.write_bytes(source)
+        subprocess.run([compiler, *_FLAGS, str(c_file), "-o", str(built)], check=True, capture_output=True,
+                       timeout=_BUILD_SECONDS)
+        os.replace(built, folder / name)
+    return folder / name
 
 
 @lru_cache(maxsize=1)
@@ -132,10 +138,15 @@ def grouped_linear(x: torch.Tensor, counts: list[int], packed: torch.Tensor, out
     if packed.shape[1] != out_features * k:
         raise ValueError(f"grouped_linear: packed {tuple(packed.shape)} is not of ({out_features}, {k}) matrices")
     x = x.contiguous()
-    if torch._C._autograd._profiler_enabled():  # name the call in a profile (a record costs ~16 us: only then)
-        with torch.profiler.record_function("ringmoe::panel_grouped_linear"):
-            return _grouped(lib, x, counts, packed, out_features)
-    return _grouped(lib, x, counts, packed, out_features)
+    return _named("ringmoe::panel_grouped_linear", _grouped, lib, x, counts, packed, out_features)
+
+
+def _named(name: str, fn, *args):
+    """fn(*args), recorded under ``name`` when a torch profiler runs (a record costs ~16 us: only then)."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
 
 
 def _grouped(lib: ctypes.CDLL, x: torch.Tensor, counts: list[int], packed: torch.Tensor, out_features: int):
@@ -157,7 +168,8 @@ def routed_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     down (E, H * F); optional biases (E, 2F), (E, H) float32; ``limit``: gpt-oss's clamped activation, else
     silu(gate) * up.  Returns y (T, H) float32 = for each token the sum over its k assignments, in expert order, of
     weight x down(act(gate_up x)), and the assignments per expert (E,) int64.  The sort by expert, the gathers, the
-    activation (its own vectorised exp: within 2 float32 ulps of torch's) and the weighted sum run in C."""
+    activation (with its own vectorised exp: a series to r^7 after range reduction, within float32 rounding) and
+    the weighted sum run in C."""
     lib = _library()
     tokens, hidden = x.shape
     experts = gate_up.shape[0]
@@ -169,6 +181,13 @@ def routed_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
                          f"the stacks {tuple(gate_up.shape)}, {tuple(down.shape)} of ffn_size {ffn_size}")
     biases = [None if b is None else b.detach().to(torch.float32).contiguous() for b in (gate_up_bias, down_bias)]
     x, topk_idx, topk_weight = x.contiguous(), topk_idx.contiguous(), topk_weight.contiguous()
+    return _named("ringmoe::panel_routed_experts", _routed, lib, x, topk_idx, topk_weight, gate_up, down, ffn_size,
+                  biases, limit, alpha)
+
+
+def _routed(lib: ctypes.CDLL, x, topk_idx, topk_weight, gate_up, down, ffn_size, biases, limit, alpha):
+    tokens, hidden = x.shape
+    experts = gate_up.shape[0]
     y = torch.empty(tokens, hidden, dtype=torch.float32)
     counts = torch.empty(experts, dtype=torch.int64)
     status = lib.panel_moe(x.data_ptr(), tokens, hidden, topk_idx.data_ptr(), topk_weight.data_ptr(),

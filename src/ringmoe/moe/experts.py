@@ -117,8 +117,8 @@ class SwiGLUExperts(nn.Module):
                               self.down_bias, self.limit, self.alpha)
 
     def grouped_kernel_ready(self) -> bool:
-        """Will ``grouped`` (outside a traced graph, without gradients) run ``panel_gemm``'s grouped kernel: both
-        stacks have current panel copies."""
+        """Will the routed part run in ``panel_gemm``'s C code (``routed``, ``grouped``; outside a traced graph,
+        without gradients): both stacks have current panel copies."""
         return has_panels(self.gate_up) and has_panels(self.down)
 
     def _rounds(self, x: torch.Tensor, counts: list[int], active: list[int]) -> tuple:
