@@ -10,8 +10,9 @@ median is reported with:
   512) product on the same threads), and the bytes floor: the weights the step must read once (attention,
   router, the experts its tokens select, the LM head) over a measured memory-copy rate;
 - the host-overhead share: the part of a step spent outside matmul / attention kernels (``ringmoe.panel_gemm``'s C
-  calls among them) and outside the compiled graph's own code (inductor's fused C++ kernels and its C++ wrapper): the Python of the scheduler, the step's
-  inputs, torch.compile's guards, sampling, the K/V writes, dispatch and small ops.  The torch profiler tells the
+  calls among them) and outside the compiled graph's own code (inductor's fused C++ kernels and its C++
+  wrapper): the Python of the scheduler, the step's inputs, torch.compile's guards, sampling, the K/V writes,
+  dispatch and small ops.  The torch profiler tells the
   compute apart (its events' times); the share is one minus that compute over the wall time of as many steps
   run without the profiler, interleaved with the profiled ones (``host_overhead_share``).  A step timed under
   the profiler also pays the profiler's recording of every op, most of them host-side ops: that share is

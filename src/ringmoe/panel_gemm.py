@@ -6,14 +6,16 @@ one step of the 4-layer small preset, 4 MB per layer, ran at 5-10 GB/s on the 2-
 EPYC with AVX2) where a plain read of the same bytes runs at 27-44 GB/s.  ``panel_gemm.c`` stores each matrix
 once more as 16-column panels (``pack``) and multiplies up to 6 rows by a panel at a time with the products held in
 registers, so the weight is read once, front to back, per 6 rows: measured side by side there (8 experts of
-(1024, 256), cold weights of 4 layers), 2.4-4x faster than the oneDNN-prepacked products at 2-128 rows, and from 8
-to 512 rows per expert 101-128 GFLOP/s against oneDNN's 45-118 and MKL's 32-100 (``benchmarks/bench_decode.py``
-measures whole decode steps).
+(1024, 256) and (256, 512), cold weights of 4 layers), 2-4x faster than the oneDNN-prepacked products at 2-128
+rows, and from 8 to 512 rows per expert 101-128 GFLOP/s against oneDNN's 45-118 and MKL's 32-100
+(``benchmarks/bench_decode.py`` measures whole decode steps).  ``routed_experts`` runs a MoE layer's whole
+dropless routed part in one call (sort by expert, gathers, both rounds of products, activation, weighted sum).
 
-Every output value is one sum over k in order (the same arithmetic whatever the rows beside it): batch invariant,
-and within float32 rounding of torch's product (a float64 reference in ``tests/test_panel_gemm.py``).
+Every output value is one sum over k in a fixed order (blocks of 64 terms summed in registers, added in turn:
+the same arithmetic whatever the rows beside it): batch invariant, and within float32 rounding of torch's
+product (float64 references in ``tests/test_panel_gemm.py``).
 
-The C source is compiled once per machine at first use (the compiler ``cc``, -O3 -mavx2 -mfma -fopenmp; about a
+The C source is compiled once per machine at first use (the compiler ``cc``, -O3 -mavx2 -mfma; about a
 second) into ``~/.cache/ringmoe/kernels`` (``$XDG_CACHE_HOME`` honoured) under a name hashing the source and the
 flags, written to a staging file and renamed into place, so processes building at once never load half a file
 (where that folder cannot be written, into a private temporary folder of the process).
@@ -131,7 +133,9 @@ def grouped_linear(x: torch.Tensor, counts: list[int], packed: torch.Tensor, out
     of ``packed`` (G, N * K) from ``pack`` -> (R, N) = x_rows @ W_g.T per group."""
     lib = _library()
     groups = packed.shape[0]
-    if lib is None or len(counts) != groups or sum(counts) != x.shape[0] or x.dtype != torch.float32:
+    if (lib is None or len(counts) != groups or sum(counts) != x.shape[0] or min(counts, default=0) < 0
+            or x.dtype != torch.float32 or packed.dtype != torch.float32 or not packed.is_contiguous()
+            or x.device.type != "cpu"):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} {x.dtype} with counts of {len(counts)} groups does "
                          f"not match packed {tuple(packed.shape)} (or the kernel is not available)")
     k = x.shape[1]
@@ -173,9 +177,13 @@ def routed_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     lib = _library()
     tokens, hidden = x.shape
     experts = gate_up.shape[0]
-    if (lib is None or x.dtype != torch.float32 or topk_weight.dtype != torch.float32
-            or topk_idx.dtype != torch.int64 or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != tokens
-            or gate_up.shape[1] != 2 * ffn_size * hidden or tuple(down.shape) != (experts, hidden * ffn_size)):
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or topk_weight.dtype != torch.float32
+            or topk_idx.device.type != "cpu" or topk_weight.device.type != "cpu" or topk_idx.dtype != torch.int64
+            or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != tokens
+            or gate_up.shape[1] != 2 * ffn_size * hidden or tuple(down.shape) != (experts, hidden * ffn_size)
+            or any(w.dtype != torch.float32 or not w.is_contiguous() for w in (gate_up, down))
+            or (gate_up_bias is not None and tuple(gate_up_bias.shape) != (experts, 2 * ffn_size))
+            or (down_bias is not None and tuple(down_bias.shape) != (experts, hidden))):
         raise ValueError(f"routed_experts: x {tuple(x.shape)} {x.dtype}, topk_idx {tuple(topk_idx.shape)} "
                          f"{topk_idx.dtype}, topk_weight {tuple(topk_weight.shape)} {topk_weight.dtype} do not match "
                          f"the stacks {tuple(gate_up.shape)}, {tuple(down.shape)} of ffn_size {ffn_size}")
