@@ -6,8 +6,8 @@ one step of the 4-layer small preset, 4 MB per layer, ran at 5-10 GB/s on the 2-
 EPYC with AVX2) where a plain read of the same bytes runs at 27-44 GB/s.  ``panel_gemm.c`` stores each matrix
 once more as 16-column panels (``pack``) and multiplies up to 6 rows by a panel at a time with the products held in
 registers, so the weight is read once, front to back, per 6 rows: measured side by side there (8 experts of
-(1024, 256) and (256, 512), cold weights of 4 layers), 2-4x faster than the oneDNN-prepacked products at 2-128
-rows, and from 8 to 512 rows per expert 101-128 GFLOP/s against oneDNN's 45-118 and MKL's 32-100
+(1024, 256) and (256, 512), cold weights of 4 layers), 2-3x faster than the oneDNN-prepacked products at 2-128
+rows, and from 8 to 512 rows per expert 102-166 GFLOP/s against oneDNN's 47-145 and MKL's 47-127
 (``benchmarks/bench_decode.py`` measures whole decode steps).  ``routed_experts`` runs a MoE layer's whole
 dropless routed part in one call (sort by expert, gathers, both rounds of products, activation, weighted sum).
 
