@@ -13,7 +13,7 @@ from ringmoe import panel_gemm
 from ringmoe.model import MoETransformer, preset
 from ringmoe.moe.dispatch import permute, plan_dispatch, unpermute
 from ringmoe.moe.experts import SwiGLUExperts
-from ringmoe.moe.layer import DENSE_BELOW, MoELayer
+from ringmoe.moe.layer import DENSE_BELOW, GATHERED_PER_EXPERT, MoELayer
 from ringmoe.prepacked import prepack_module
 from ringmoe.serve import Engine, SamplingParams
 
@@ -215,7 +215,7 @@ def test_a_prepacked_engine_runs_the_sorted_products_where_every_expert_on_every
         for _, layer in model.moe_layers():
             assert layer.mlp.experts.grouped_kernel_ready() is prepack
             experts = layer.mlp.num_experts
-            assert layer.mlp.gathered_below == (experts if prepack else 4 * experts)
+            assert layer.mlp.gathered_below == (experts if prepack else GATHERED_PER_EXPERT * experts)
             assert layer.mlp.dense_below == (layer.mlp.static_form_edges()[0] if prepack else DENSE_BELOW)
         tokens[prepack] = [out.output_ids for out in engine.generate(prompts, params)]
     assert tokens[True] == tokens[False] and [len(ids) for ids in tokens[True]] == list(range(1, 37))

@@ -19,8 +19,12 @@ from .stats import MoEStats
 
 __all__ = ["MoELayer", "check_capacity_factor"]
 
-# forward_static: from this many tokens the sorted GEMMs, below it every expert on every token (where the
-# per-assignment products stop), unless the experts run panel_gemm's grouped kernel (MoELayer.fit_static_forms)
+# forward_static's default switches, unless the experts run panel_gemm's C code (MoELayer.fit_static_forms):
+# below this many token-expert assignments per expert, each assignment reads its expert's weights (measured with 8
+# and 16 experts on 2 CPU threads: up to ~3-4 x num_experts assignments this beats every expert on every token,
+# whose batched GEMMs of a few rows run far below the machine's rate) ...
+GATHERED_PER_EXPERT = 4
+# ... and from this many tokens the sorted GEMMs, below it every expert on every token
 DENSE_BELOW = 32
 
 
@@ -100,11 +104,10 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(self.local_experts, hidden_size, ffn_size, expert_bias, swiglu_limit, swiglu_alpha)
         self.shared = SharedExpert(hidden_size, shared_ffn_size, shared_gated) if shared_ffn_size else None
         self.last_stats: MoEStats | None = None
-        self.dense_below = DENSE_BELOW  # forward_static: from this many tokens, the sorted GEMMs (fit_static_forms)
-        # forward_static: below this many token-expert assignments, each reads its expert's weights (measured
-        # with 8 and 16 experts on 2 CPU threads: up to ~3-4 x num_experts assignments this beats every expert
-        # on every token, whose batched GEMMs of a few rows run far below the machine's rate)
-        self.gathered_below = 4 * num_experts
+        # forward_static's switches: below ``gathered_below`` token-expert assignments each reads its expert's
+        # weights, from ``dense_below`` tokens the sorted GEMMs (fit_static_forms: the defaults until the
+        # experts have panel copies)
+        self.gathered_below, self.dense_below = GATHERED_PER_EXPERT * num_experts, DENSE_BELOW
         self.op_key = register_layer(self)  # how a compiled graph's ``grouped_experts`` finds this layer
 
     def _place_replicas(self, replicas: ReplicaPlan, capacity_factor: float | None) -> None:
@@ -193,14 +196,14 @@ class MoELayer(nn.Module):
         decode step of the small preset (8 experts, top-2) against the per-assignment products 0.80x / 0.92x at
         batch 1 / 2, 1.02-1.12x at 4, 1.11x at 8, 1.35x at 12, and against every expert on every token 1.26x /
         1.40x at 16 / 24; so the per-assignment products stop at ``num_experts`` assignments and the dense form
-        is skipped.  Else the defaults: per assignment below 4 x num_experts assignments, dense below
-        ``DENSE_BELOW`` tokens (``benchmarks/bench_decode.py``).  The decode graph calls it before tracing."""
+        is skipped.  The switches only move down to those values (a test or a caller that set lower ones keeps
+        them); elsewhere they stay as they are (the defaults: per assignment below ``GATHERED_PER_EXPERT`` x
+        num_experts assignments, dense below ``DENSE_BELOW`` tokens; ``benchmarks/bench_decode.py``).  The decode
+        graph calls it before tracing."""
         ready = getattr(self.experts, "grouped_kernel_ready", None)
         if ready is not None and ready():
-            self.gathered_below = self.num_experts
-            self.dense_below = -(-self.gathered_below // self.top_k)
-        else:
-            self.gathered_below, self.dense_below = 4 * self.num_experts, DENSE_BELOW
+            self.gathered_below = min(self.gathered_below, self.num_experts)
+            self.dense_below = min(self.dense_below, -(-self.gathered_below // self.top_k))
 
     def static_form_edges(self) -> tuple[int, int]:
         """The token counts from which ``forward_static`` changes form: the first past the gathered products, and
