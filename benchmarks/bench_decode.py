@@ -18,13 +18,14 @@ median is reported with:
   the profiler also pays the profiler's recording of every op, most of them host-side ops: that share is
   reported too (``host_overhead_share_profiled``); on a machine whose speed drifts the two can swap places.
 
-Each batch runs four ways, side by side (``measure_modes``: steps in turns): the eager step
+Each batch runs five ways, side by side (``measure_modes``: steps in turns): the eager step
 (``decode_graph="off"``), the compiled decode graph (``decode_graph="compiled"``, its compile time reported; the
 ratio is the speed-up), the compiled graph with one copy of the weights (``prepack_weights=False``: the eager
 products, the experts' sorted GEMMs among them, through MKL instead of the prepacked copies, ``ringmoe.prepacked``),
 and the compiled graph whose expert stacks are prepacked as oneDNN copies, one product per expert, instead of
 ``ringmoe.panel_gemm``'s panels and grouped kernel (where that kernel runs; the step then also takes the dense form
-at 16-31 tokens, as it does without the kernel).
+at 16-31 tokens, as it does without the kernel), and the compiled graph whose attention gathers each row's cache
+blocks in tensor ops instead of ``ringmoe.attention.paged_cpu``'s C kernel (``attention_kernel_speedup``).
 
 Writes benchmarks/results/decode.json and decode.png.
 
@@ -39,6 +40,7 @@ from contextlib import contextmanager
 from copy import deepcopy
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pyplot, write_results  # noqa: E402
 
 from ringmoe import panel_gemm  # noqa: E402
+from ringmoe.attention import paged_cpu  # noqa: E402
 from ringmoe.model import MoETransformer, preset  # noqa: E402
 from ringmoe.serve import Engine, SamplingParams  # noqa: E402
 
@@ -54,12 +57,15 @@ PROMPT = 64
 # kernels that do the step's arithmetic; everything else in a step is overhead
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
                "aten::baddbmm", "aten::linear", "mkldnn::_linear_pointwise", "ringmoe::panel_grouped_linear",
-               "ringmoe::panel_routed_experts")  # (the last: a MoE layer's routed part in C, sort and sums included)
+               "ringmoe::panel_routed_experts",  # a MoE layer's routed part in C, sort and sums included
+               "ringmoe::paged_cached_attention")  # a layer's decode attention over the cache in C
 # (label, Engine options) of the rows measured at each batch size
 MODES = {"off": dict(decode_graph="off"), "compiled": dict(decode_graph="compiled"),
          "compiled, one weight copy": dict(decode_graph="compiled", prepack_weights=False),
-         "compiled, oneDNN expert copies": dict(decode_graph="compiled")}
+         "compiled, oneDNN expert copies": dict(decode_graph="compiled"),
+         "compiled, attention in tensor ops": dict(decode_graph="compiled")}
 NO_PANELS = {"compiled, oneDNN expert copies"}  # modes whose engine packs its expert stacks without panel_gemm
+NO_ATTENTION_KERNEL = {"compiled, attention in tensor ops"}  # modes whose graph gathers the cache in tensor ops
 GRAPH_CALL = "## Call CompiledFxGraph"
 
 
@@ -157,6 +163,19 @@ def panel_kernel(allowed: bool):
         panel_gemm.available = real
 
 
+@contextmanager
+def attention_kernel(allowed: bool):
+    """Engines built (and so compiled) inside run their decode attention through ``paged_cpu``'s C kernel only if
+    ``allowed`` (and it runs here): the graph takes the kernel's presence as a constant when it is traced."""
+    real = paged_cpu.panel_gemm
+    if not allowed:
+        paged_cpu.panel_gemm = types.SimpleNamespace(_library=lambda: None)
+    try:
+        yield
+    finally:
+        paged_cpu.panel_gemm = real
+
+
 def measure_modes(models: dict[str, MoETransformer], batch: int, steps: int, max_num_seqs: int = 64,
                   prompt: int = PROMPT, block: int = 16, **engine_options) -> list[dict]:
     """``measure`` for several modes side by side: models maps each mode to its model (copies of one: a model's
@@ -166,7 +185,7 @@ def measure_modes(models: dict[str, MoETransformer], batch: int, steps: int, max
     engines, modes = [], list(models)
     model = models[modes[0]]
     for mode in modes:
-        with panel_kernel(mode not in NO_PANELS):
+        with panel_kernel(mode not in NO_PANELS), attention_kernel(mode not in NO_ATTENTION_KERNEL):
             engine = Engine(models[mode], kv_cache_tokens=batch * (prompt + 3 * steps + 32) + 256,
                             max_num_seqs=max(max_num_seqs, batch),
                             max_num_batched_tokens=max(2048, batch * prompt), **{**MODES[mode], **engine_options})
@@ -203,7 +222,8 @@ def plot(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, label in (("off", "eager step"), ("compiled", "compiled decode graph"),
                         ("compiled, one weight copy", "compiled, without prepacked weights"),
-                        ("compiled, oneDNN expert copies", "compiled, experts through oneDNN copies")):
+                        ("compiled, oneDNN expert copies", "compiled, experts through oneDNN copies"),
+                        ("compiled, attention in tensor ops", "compiled, attention gathered in tensor ops")):
         rows = [r for r in data["steps"] if r["mode"] == mode]
         ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label=label)
     ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "s--",
@@ -249,10 +269,13 @@ def main() -> None:
     prepack_speedup = {str(r["batch"]): plain[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
     onednn = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "compiled, oneDNN expert copies"}
     panel_speedup = {str(r["batch"]): onednn[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
+    gathered = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "compiled, attention in tensor ops"}
+    attention_speedup = {str(r["batch"]): gathered[r["batch"]] / r["step_ms"] for r in rows if r["mode"] == "compiled"}
     data = {"model": "small preset, random weights, float32", "threads": 2, "device": args.device,
             "prompt_tokens": PROMPT,
             "rates": rates, "steps": rows, "compiled_speedup": speedup, "prepacked_speedup": prepack_speedup,
             "panel_kernel": panel_gemm.available(), "panel_kernel_speedup": panel_speedup,
+            "attention_kernel_speedup": attention_speedup,
             "compile_s": max(r["compile_s"] for r in rows)}
     out = write_results(args.name, data)
     plot(data, out.with_suffix(".png"))

@@ -106,7 +106,7 @@ def test_the_build_is_cached_by_source_and_a_failed_build_raises(tmp_path, monke
     the same file without compiling; a source that does not compile raises (the caller then keeps torch's
     products)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    source = panel_gemm._SOURCE.read_bytes()
+    source = {path.name: path.read_bytes() for path in panel_gemm._SOURCES}
     compiler = "cc" if subprocess.run(["which", "cc"], capture_output=True).returncode == 0 else "gcc"
     first = panel_gemm._build(source, compiler)
     assert first.parent == tmp_path / "ringmoe" / "kernels" and first.is_file()
@@ -114,7 +114,7 @@ def test_the_build_is_cached_by_source_and_a_failed_build_raises(tmp_path, monke
     assert panel_gemm._build(source, compiler) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging folder left
     with pytest.raises(subprocess.CalledProcessError):
-        panel_gemm._build(source + b"\nthis is not C;\n", compiler)
+        panel_gemm._build({**source, "panel_gemm.c": source["panel_gemm.c"] + b"\nthis is not C;\n"}, compiler)
     assert [p.name for p in first.parent.iterdir()] == [first.name]
     blocked = tmp_path / "a file"  # a cache that cannot be made: the build goes to a private folder of its own
     blocked.write_text("")

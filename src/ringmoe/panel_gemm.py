@@ -40,10 +40,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "pack", "grouped_linear", "routed_experts"]
+__all__ = ["available", "pack", "grouped_linear", "routed_experts", "RoutedExperts"]
 
 _LOG = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("panel_gemm.c")
+# the C sources built into one library (panel_gemm.c: the products; paged_attention.c: decode attention, used by
+# ``ringmoe.attention.paged_cpu``) and the header they share
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_gemm.c", "paged_attention.c", "simd_exp.h"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BUILD_SECONDS = 120
 
@@ -53,27 +55,33 @@ def _cache_dir() -> Path:
     return Path(root) / "ringmoe" / "kernels"
 
 
-def _build(source: bytes, compiler: str) -> Path:
-    """The shared library of ``source``, compiled unless a build of the same source and flags is cached."""
-    name = f"panel_gemm-{hashlib.sha256(source + ' '.join((compiler, *_FLAGS)).encode()).hexdigest()[:20]}.so"
+def _build(sources: dict[str, bytes], compiler: str) -> Path:
+    """The shared library of ``sources`` ({file name: text}: the .c files compiled, the headers beside them),
+    compiled unless a build of the same sources and flags is cached."""
+    digest = hashlib.sha256(' '.join((compiler, *_FLAGS)).encode())
+    for file_name, text in sorted(sources.items()):
+        digest.update(file_name.encode() + b"\0" + hashlib.sha256(text).digest())
+    name = f"panel_gemm-{digest.hexdigest()[:20]}.so"
     cache = _cache_dir()
     if (cache / name).is_file():
         return cache / name
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        return _compile_into(cache, name, source, compiler)
+        return _compile_into(cache, name, sources, compiler)
     except OSError:
         # an unwritable cache: a folder of this process's own (mode 0700), never a fixed shared path such as
         # /tmp/<name>, where another local user could have left a library of that name to be loaded
-        return _compile_into(Path(tempfile.mkdtemp(prefix="ringmoe-kernels-")), name, source, compiler)
+        return _compile_into(Path(tempfile.mkdtemp(prefix="ringmoe-kernels-")), name, sources, compiler)
 
 
-def _compile_into(folder: Path, name: str, source: bytes, compiler: str) -> Path:
-    """Compile ``source`` in a staging folder inside ``folder`` and rename the library to ``folder / name``."""
+def _compile_into(folder: Path, name: str, sources: dict[str, bytes], compiler: str) -> Path:
+    """Compile ``sources`` in a staging folder inside ``folder`` and rename the library to ``folder / name``."""
     with tempfile.TemporaryDirectory(dir=folder, prefix=".staging-") as staging:
-        c_file, built = Path(staging) / "panel_gemm.c", Path(staging) / "panel_gemm.so"
-        c_file.write_bytes(source)
-        subprocess.run([compiler, *_FLAGS, str(c_file), "-o", str(built)], check=True, capture_output=True,
+        for file_name, text in sources.items():
+            (Path(staging) / file_name).write_bytes(text)
+        built = Path(staging) / "panel_gemm.so"
+        c_files = [str(Path(staging) / file_name) for file_name in sorted(sources) if file_name.endswith(".c")]
+        subprocess.run([compiler, *_FLAGS, *c_files, "-o", str(built)], check=True, capture_output=True,
                        timeout=_BUILD_SECONDS)
         os.replace(built, folder / name)
     return folder / name
@@ -87,11 +95,11 @@ def _library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not _SOURCE.is_file():
+    if compiler is None or not all(source.is_file() for source in _SOURCES):
         _LOG.info("panel_gemm: no C compiler or source; torch's products are used")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(_SOURCE.read_bytes(), compiler)))
+        lib = ctypes.CDLL(str(_build({source.name: source.read_bytes() for source in _SOURCES}, compiler)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         _LOG.info("panel_gemm: build failed (%s) %s; torch's products are used", error, detail.decode()[-500:])
@@ -105,6 +113,9 @@ def _library() -> ctypes.CDLL | None:
     lib.panel_moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32, ptr, ptr,
                               ctypes.c_int]
     lib.panel_moe.restype = ctypes.c_int
+    lib.paged_cached_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, f32, ptr,
+                                           ptr, ctypes.c_int]
+    lib.paged_cached_attention.restype = ctypes.c_int
     return lib
 
 
@@ -173,40 +184,63 @@ def routed_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     silu(gate) * up.  Returns y (T, H) float32 = for each token the sum over its k assignments, in expert order, of
     weight x down(act(gate_up x)), and the assignments per expert (E,) int64.  The sort by expert, the gathers, the
     activation (with its own vectorised exp: a series to r^7 after range reduction, within float32 rounding) and
-    the weighted sum run in C."""
-    lib = _library()
-    tokens, hidden = x.shape
-    experts = gate_up.shape[0]
-    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or topk_weight.dtype != torch.float32
-            or topk_idx.device.type != "cpu" or topk_weight.device.type != "cpu" or topk_idx.dtype != torch.int64
-            or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != tokens
-            or gate_up.shape[1] != 2 * ffn_size * hidden or tuple(down.shape) != (experts, hidden * ffn_size)
-            or any(w.dtype != torch.float32 or not w.is_contiguous() for w in (gate_up, down))
-            or (gate_up_bias is not None and tuple(gate_up_bias.shape) != (experts, 2 * ffn_size))
-            or (down_bias is not None and tuple(down_bias.shape) != (experts, hidden))):
-        raise ValueError(f"routed_experts: x {tuple(x.shape)} {x.dtype}, topk_idx {tuple(topk_idx.shape)} "
-                         f"{topk_idx.dtype}, topk_weight {tuple(topk_weight.shape)} {topk_weight.dtype} do not match "
-                         f"the stacks {tuple(gate_up.shape)}, {tuple(down.shape)} of ffn_size {ffn_size}")
-    biases = [None if b is None else b.detach().to(torch.float32).contiguous() for b in (gate_up_bias, down_bias)]
-    x, topk_idx, topk_weight = x.contiguous(), topk_idx.contiguous(), topk_weight.contiguous()
-    return _named("ringmoe::panel_routed_experts", _routed, lib, x, topk_idx, topk_weight, gate_up, down, ffn_size,
-                  biases, limit, alpha)
+    the weighted sum run in C.  (``RoutedExperts``: the same with the stacks checked once, for repeated calls.)"""
+    return RoutedExperts(gate_up, down, ffn_size, gate_up_bias, down_bias)(x, topk_idx, topk_weight, limit, alpha)
 
 
-def _routed(lib: ctypes.CDLL, x, topk_idx, topk_weight, gate_up, down, ffn_size, biases, limit, alpha):
-    tokens, hidden = x.shape
-    experts = gate_up.shape[0]
-    y = torch.empty(tokens, hidden, dtype=torch.float32)
-    counts = torch.empty(experts, dtype=torch.int64)
-    status = lib.panel_moe(x.data_ptr(), tokens, hidden, topk_idx.data_ptr(), topk_weight.data_ptr(),
-                           topk_idx.shape[1], experts, gate_up.data_ptr(), _address(biases[0]), down.data_ptr(),
-                           _address(biases[1]), ffn_size, -1.0 if limit is None else float(limit), float(alpha),
-                           y.data_ptr(), counts.data_ptr(), torch.get_num_threads())
-    if status == -2:
-        raise ValueError(f"routed_experts: topk_idx holds an expert index outside [0, {experts})")
-    if status != 0:
-        raise MemoryError("panel_gemm: out of memory for a MoE layer's buffers")
-    return y, counts
+class RoutedExperts:
+    """``routed_experts`` for one layer's stacks: they are checked when it is made, and a call checks only the
+    tokens' tensors (a decode step calls it once per MoE layer: the stacks' checks cost ~15 us a call).  Holds the
+    panel copies and the biases themselves (each call reads their current addresses)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ffn_size: int,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+        self.lib = _library()
+        experts = gate_up.shape[0]
+        hidden = down.shape[1] // ffn_size if ffn_size > 0 and down.dim() == 2 else -1
+        if (self.lib is None or gate_up.dim() != 2 or down.dim() != 2 or hidden <= 0
+                or gate_up.shape[1] != 2 * ffn_size * hidden or tuple(down.shape) != (experts, hidden * ffn_size)
+                or any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
+                       for w in (gate_up, down))
+                or (gate_up_bias is not None and tuple(gate_up_bias.shape) != (experts, 2 * ffn_size))
+                or (down_bias is not None and tuple(down_bias.shape) != (experts, hidden))):
+            raise ValueError(f"routed_experts: the stacks {tuple(gate_up.shape)} {gate_up.dtype}, {tuple(down.shape)} "
+                             f"{down.dtype} (biases {None if gate_up_bias is None else tuple(gate_up_bias.shape)}, "
+                             f"{None if down_bias is None else tuple(down_bias.shape)}) are not panel copies of "
+                             f"ffn_size {ffn_size} (or the kernel is not available)")
+        self.gate_up, self.down, self.biases = gate_up, down, (gate_up_bias, down_bias)
+        self.experts, self.hidden, self.ffn_size = experts, hidden, ffn_size
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, limit: float | None = None,
+                 alpha: float = 1.702) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y (T, H) float32, assignments per expert (E,) int64) for x (T, H) float32, topk_idx (T, k) int64,
+        topk_weight (T, k) float32 (``routed_experts``)."""
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.hidden
+                or topk_idx.dtype != torch.int64 or topk_idx.device.type != "cpu" or topk_idx.dim() != 2
+                or topk_weight.dtype != torch.float32 or topk_weight.device.type != "cpu"
+                or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != x.shape[0]):
+            raise ValueError(f"routed_experts: x {tuple(x.shape)} {x.dtype}, topk_idx {tuple(topk_idx.shape)} "
+                             f"{topk_idx.dtype}, topk_weight {tuple(topk_weight.shape)} {topk_weight.dtype} do not match "
+                             f"the stacks {tuple(self.gate_up.shape)}, {tuple(self.down.shape)} of ffn_size "
+                             f"{self.ffn_size}")
+        biases = [None if b is None else b.detach().to(torch.float32).contiguous() for b in self.biases]
+        return _named("ringmoe::panel_routed_experts", self._run, x.contiguous(), topk_idx.contiguous(),
+                      topk_weight.contiguous(), biases, limit, alpha)
+
+    def _run(self, x, topk_idx, topk_weight, biases, limit, alpha):
+        tokens, experts = x.shape[0], self.experts
+        y = torch.empty(tokens, self.hidden, dtype=torch.float32)
+        counts = torch.empty(experts, dtype=torch.int64)
+        status = self.lib.panel_moe(x.data_ptr(), tokens, self.hidden, topk_idx.data_ptr(), topk_weight.data_ptr(),
+                                    topk_idx.shape[1], experts, self.gate_up.data_ptr(), _address(biases[0]),
+                                    self.down.data_ptr(), _address(biases[1]), self.ffn_size,
+                                    -1.0 if limit is None else float(limit), float(alpha), y.data_ptr(),
+                                    counts.data_ptr(), torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"routed_experts: topk_idx holds an expert index outside [0, {experts})")
+        if status != 0:
+            raise MemoryError("panel_gemm: out of memory for a MoE layer's buffers")
+        return y, counts
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

@@ -328,18 +328,28 @@ def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_c
     assert answers[0][1] == answers[0][0][0]
 
 
-def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up(kernel, monkeypatch):
     """Inductor guards a compiled float32 sum on its length being <= LONG_SUM (past it the sum takes another form):
     the attention sums within blocks first, so a table of up to LONG_SUM blocks (65,536 keys here) runs the graph
     compiled on a short one; with a cache of more blocks the warm-up compiles wider tables too, so no serving step
-    compiles; with a cache of fewer, a wider table (never met in serving) would compile."""
+    compiles; with a cache of fewer, a wider table (never met in serving) would compile.  Where the cached keys are
+    read by ``paged_cpu``'s C kernel (``kernel``) the graph holds no sum over the keys: no width compiles again."""
+    import types
+
     from torch._dynamo.utils import counters
 
+    from ringmoe import panel_gemm
+    from ringmoe.attention import paged_cpu
     from ringmoe.serve.decode_graph import LONG_SUM
 
+    if kernel and not panel_gemm.available():
+        pytest.skip("the C kernel does not run on this machine")
+    if not kernel:  # the graphs traced here take the tensor-ops attention
+        monkeypatch.setattr(paged_cpu, "panel_gemm", types.SimpleNamespace(_library=lambda: None))
     model = _model("tiny", torch.float32)
     torch._dynamo.reset()  # no graph of an earlier test (the compiled code is kept per function, not per engine)
-    for blocks, compiles in ((LONG_SUM // 2, True), (LONG_SUM + 64, False)):
+    for blocks, compiles in ((LONG_SUM // 2, not kernel), (LONG_SUM + 64, False)):
         engine = Engine(model, decode_graph="compiled", max_num_seqs=1, kv_cache_tokens=blocks * 16, block_size=16)
         graph = engine.runner.decode_graph
         before = counters["stats"]["unique_graphs"]
@@ -348,6 +358,7 @@ def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up():
             graph._run_scratch(1, 300)  # 4,800 keys: one sum over every key would be past LONG_SUM
             graph._run_scratch(1, LONG_SUM + 40)
         assert (counters["stats"]["unique_graphs"] > before) == compiles, blocks
+    torch._dynamo.reset()  # no graph of this test's attention form left for a later test
 
 
 def test_two_models_of_the_same_shapes_each_run_their_own_graph():

@@ -17,6 +17,7 @@ import torch
 
 from ..float8 import decode_e4m3
 from .api import flash_attn_func
+from .paged_cpu import applies as _kernel_applies, paged_cached_attention
 from .sinks import add_sinks
 
 __all__ = ["paged_attention", "paged_decode", "invariant_causal_attention", "read_cache"]
@@ -196,40 +197,29 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (a read after a compiled write searches the written slots for every key).
     With an FP8 cache (``kv_scales``) ``new`` is given as the caller will store it (its e4m3 round trip), so the
     row sees the same own key as a later step reading it from the cache.
-    ``by_block`` (length a multiple of block_size): the softmax's sum taken per block, then over the blocks
-    (``_logsumexp_by_block``: what the compiled step runs); otherwise one sum over the keys, whose bits the
+    ``by_block`` (length a multiple of block_size; what the compiled step runs): the cached keys attended by
+    ``paged_cpu``'s C kernel where it applies (a float32 query and cache on a CPU with the kernel library: each
+    row's keys read where they lie, with the online softmax), else in tensor ops with the softmax's sum taken per
+    block, then over the blocks (``_logsumexp_by_block``); otherwise one sum over the keys, whose bits the
     deterministic mode's kernels share.
     """
     n, heads, dim = q.shape
-    width = tables.shape[1]
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    flat = tables.reshape(-1)
-    k_scale, v_scale = kv_scales or (None, None)
-    keys = read_cache(k_cache, flat, k_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
-    values = read_cache(v_cache, flat, v_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
-    position = torch.arange(length, device=q.device)
     if new is not None and fresh is None:
         fresh = torch.ones(n, 1, dtype=torch.bool, device=q.device)
     cached = contexts[:, None] - (0 if new is None else fresh.sum(1, keepdim=True))  # keys to read from the cache
-    visible = position[None] < cached
-    if window_left >= 0:
-        visible &= position[None] >= contexts[:, None] - 1 - window_left
-    # slots past a row's context hold whatever their block held before (another request's K/V, padding): a
-    # zero weight times a stale NaN is NaN, so those values are zeroed, not only their scores masked
-    values = values.masked_fill(~visible[:, :, None, None], 0.0)
     group = heads // kv_heads
     scale = dim**-0.5
     qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
-    # keys and values head-major with whole rows of D (the gather copies contiguous rows; the products read
-    # the keys transposed in place)
-    keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # (n, Hkv, K, D)
-    scores = torch.matmul(qg, keys.transpose(2, 3)) * scale                              # (n, Hkv, G, K)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    lse = (_logsumexp_by_block(scores, block_size) if by_block
-           else torch.logsumexp(scores, dim=-1))                                         # (n, Hkv, G)
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
-    out = torch.matmul(torch.exp(scores - finite[..., None]), values)                    # (n, Hkv, G, D)
+    if by_block and kv_scales is None and _kernel_applies(q, k_cache, v_cache):
+        # the C kernel reads each row's visible keys where they lie (``paged_cpu``): no gathered copy
+        first = ((contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts))
+        out, lse = paged_cached_attention(q, k_cache, v_cache, tables, first, cached[:, 0].clamp(max=length), scale)
+        out, lse = out.view(n, kv_heads, group, dim), lse.view(n, kv_heads, group)
+    else:
+        out, lse = _cached_part(qg, k_cache, v_cache, tables, contexts, cached, length, window_left, kv_scales,
+                                by_block, scale)
     if new is not None:
         band = fresh.shape[1]
         source = (torch.arange(n, device=q.device)[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
@@ -250,6 +240,34 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out, _ = add_sinks(out[None], lse.reshape(n, heads).T[None], sinks)
         out = out[0]
     return out.to(q.dtype)
+
+
+def _cached_part(qg, k_cache, v_cache, tables, contexts, cached, length, window_left, kv_scales, by_block, scale):
+    """``paged_decode``'s attention over the cached keys in tensor ops: qg (n, kv_heads, G, D) in the accumulation
+    dtype -> out (n, kv_heads, G, D), lse (n, kv_heads, G) (-inf and a zero output for a row that sees no key)."""
+    n, kv_heads, _, dim = qg.shape
+    width, block_size = tables.shape[1], k_cache.shape[1]
+    acc = qg.dtype
+    flat = tables.reshape(-1)
+    k_scale, v_scale = kv_scales or (None, None)
+    keys = read_cache(k_cache, flat, k_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
+    values = read_cache(v_cache, flat, v_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
+    position = torch.arange(length, device=qg.device)
+    visible = position[None] < cached
+    if window_left >= 0:
+        visible &= position[None] >= contexts[:, None] - 1 - window_left
+    # slots past a row's context hold whatever their block held before (another request's K/V, padding): a
+    # zero weight times a stale NaN is NaN, so those values are zeroed, not only their scores masked
+    values = values.masked_fill(~visible[:, :, None, None], 0.0)
+    # keys and values head-major with whole rows of D (the gather copies contiguous rows; the products read
+    # the keys transposed in place)
+    keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # (n, Hkv, K, D)
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * scale                              # (n, Hkv, G, K)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = (_logsumexp_by_block(scores, block_size) if by_block
+           else torch.logsumexp(scores, dim=-1))                                         # (n, Hkv, G)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
+    return torch.matmul(torch.exp(scores - finite[..., None]), values), lse              # (n, Hkv, G, D)
 
 
 def _logsumexp_by_block(scores: torch.Tensor, block_size: int) -> torch.Tensor:

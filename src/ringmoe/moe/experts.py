@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..batch_invariant import InvariantLinear, linear, rowwise, tile_rows
-from ..panel_gemm import grouped_linear, routed_experts
+from ..panel_gemm import RoutedExperts, grouped_linear
 from ..prepacked import has_panels, packed, packed_linear, packed_panels
 
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
@@ -113,8 +113,12 @@ class SwiGLUExperts(nn.Module):
         gate_up, down = packed_panels(self.gate_up, x), packed_panels(self.down, x)
         if gate_up is None or down is None:
             return None
-        return routed_experts(x, topk_idx, topk_weight, gate_up, down, self.ffn_size, self.gate_up_bias,
-                              self.down_bias, self.limit, self.alpha)
+        call = self.__dict__.get("_routed_call")  # the stacks checked once per panel copy (a new copy: a new call)
+        if (call is None or call.gate_up is not gate_up or call.down is not down
+                or call.biases[0] is not self.gate_up_bias or call.biases[1] is not self.down_bias):
+            call = self.__dict__["_routed_call"] = RoutedExperts(gate_up, down, self.ffn_size, self.gate_up_bias,
+                                                                 self.down_bias)
+        return call(x, topk_idx, topk_weight, self.limit, self.alpha)
 
     def grouped_kernel_ready(self) -> bool:
         """Will the routed part run in ``panel_gemm``'s C code (``routed``, ``grouped``; outside a traced graph,
