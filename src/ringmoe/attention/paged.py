@@ -197,9 +197,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (a read after a compiled write searches the written slots for every key).
     With an FP8 cache (``kv_scales``) ``new`` is given as the caller will store it (its e4m3 round trip), so the
     row sees the same own key as a later step reading it from the cache.
-    ``by_block`` (length a multiple of block_size; what the compiled step runs): the cached keys attended by
-    ``paged_cpu``'s C kernel where it applies (a float32 query and cache on a CPU with the kernel library: each
-    row's keys read where they lie, with the online softmax), else in tensor ops with the softmax's sum taken per
+    ``by_block`` (length a multiple of block_size; what the compiled step runs): the cached keys of two rows or more
+    attended by ``paged_cpu``'s C kernel where it applies (a float32 query and cache on a CPU with the kernel
+    library: each row's keys read where they lie, with the online softmax), else in tensor ops with the softmax's sum taken per
     block, then over the blocks (``_logsumexp_by_block``); otherwise one sum over the keys, whose bits the
     deterministic mode's kernels share.
     """
@@ -212,8 +212,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = heads // kv_heads
     scale = dim**-0.5
     qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
-    if by_block and kv_scales is None and _kernel_applies(q, k_cache, v_cache):
-        # the C kernel reads each row's visible keys where they lie (``paged_cpu``): no gathered copy
+    if by_block and kv_scales is None and n > 1 and _kernel_applies(q, k_cache, v_cache):
+        # the C kernel reads each row's visible keys where they lie (``paged_cpu``): no gathered copy.  Not for a
+        # single row (a compiled graph of its own): there the operator's call (~25 us a layer, through the
+        # dispatcher into Python) costs more than the gather it saves (a batch-1 step 0.91x, ``decode.json``)
         first = ((contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts))
         out, lse = paged_cached_attention(q, k_cache, v_cache, tables, first, cached[:, 0].clamp(max=length), scale)
         out, lse = out.view(n, kv_heads, group, dim), lse.view(n, kv_heads, group)
