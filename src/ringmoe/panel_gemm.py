@@ -220,8 +220,8 @@ class RoutedExperts:
                 or topk_weight.dtype != torch.float32 or topk_weight.device.type != "cpu"
                 or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != x.shape[0]):
             raise ValueError(f"routed_experts: x {tuple(x.shape)} {x.dtype}, topk_idx {tuple(topk_idx.shape)} "
-                             f"{topk_idx.dtype}, topk_weight {tuple(topk_weight.shape)} {topk_weight.dtype} do not match "
-                             f"the stacks {tuple(self.gate_up.shape)}, {tuple(self.down.shape)} of ffn_size "
+                             f"{topk_idx.dtype}, topk_weight {tuple(topk_weight.shape)} {topk_weight.dtype} do not "
+                             f"match the stacks {tuple(self.gate_up.shape)}, {tuple(self.down.shape)} of ffn_size "
                              f"{self.ffn_size}")
         biases = [None if b is None else b.detach().to(torch.float32).contiguous() for b in self.biases]
         return _named("ringmoe::panel_routed_experts", self._run, x.contiguous(), topk_idx.contiguous(),

@@ -199,9 +199,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     row sees the same own key as a later step reading it from the cache.
     ``by_block`` (length a multiple of block_size; what the compiled step runs): the cached keys of two rows or more
     attended by ``paged_cpu``'s C kernel where it applies (a float32 query and cache on a CPU with the kernel
-    library: each row's keys read where they lie, with the online softmax), else in tensor ops with the softmax's sum taken per
-    block, then over the blocks (``_logsumexp_by_block``); otherwise one sum over the keys, whose bits the
-    deterministic mode's kernels share.
+    library: each row's keys read where they lie, with the online softmax), else in tensor ops with the softmax's
+    sum taken per block, then over the blocks (``_logsumexp_by_block``); otherwise one sum over the keys, whose bits
+    the deterministic mode's kernels share.
     """
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
