@@ -123,3 +123,24 @@ def test_grouped_experts_through_packed_copies_equal_the_plain_products(bias, li
     plain_error = (plain.double() - ref).abs().max().item()
     assert (fast.double() - ref).abs().max().item() <= 2 * plain_error + 1e-12
     assert not torch.equal(fast, torch.zeros_like(fast))
+
+
+@pytest.mark.skipif(not panel_gemm.available(), reason="needs x86-64 with AVX2 and a C compiler")
+def test_the_routed_call_follows_a_repacked_stack():
+    """``SwiGLUExperts.routed`` keeps its checked call while the panel copies stay, and makes a new one when the
+    stacks are packed again after a change: the output follows the new weights."""
+    torch.manual_seed(4)
+    experts = SwiGLUExperts(4, 24, 16)
+    prepack_module(experts)
+    x, topk_idx, topk_weight = torch.randn(5, 24), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    with torch.no_grad():
+        first, _ = experts.routed(x, topk_idx, topk_weight)
+        call = experts._routed_call
+        experts.routed(x, topk_idx, topk_weight)
+        assert experts._routed_call is call
+        experts.down.mul_(2.0)  # the copies are stale: no fused call until packed again
+        assert experts.routed(x, topk_idx, topk_weight) is None
+        prepack_module(experts)
+        second, _ = experts.routed(x, topk_idx, topk_weight)
+    assert experts._routed_call is not call
+    torch.testing.assert_close(second, 2 * first, rtol=1e-5, atol=1e-5)

@@ -211,6 +211,12 @@ class RoutedExperts:
         self.gate_up, self.down, self.biases = gate_up, down, (gate_up_bias, down_bias)
         self.experts, self.hidden, self.ffn_size = experts, hidden, ffn_size
 
+    def holds(self, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
+              down_bias: torch.Tensor | None) -> bool:
+        """Was it made for these very tensors (a re-packed stack or a replaced bias needs a new call)."""
+        return (self.gate_up is gate_up and self.down is down and self.biases[0] is gate_up_bias
+                and self.biases[1] is down_bias)
+
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, limit: float | None = None,
                  alpha: float = 1.702) -> tuple[torch.Tensor, torch.Tensor]:
         """(y (T, H) float32, assignments per expert (E,) int64) for x (T, H) float32, topk_idx (T, k) int64,

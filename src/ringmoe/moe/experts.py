@@ -113,11 +113,9 @@ class SwiGLUExperts(nn.Module):
         gate_up, down = packed_panels(self.gate_up, x), packed_panels(self.down, x)
         if gate_up is None or down is None:
             return None
-        call = self.__dict__.get("_routed_call")  # the stacks checked once per panel copy (a new copy: a new call)
-        if (call is None or call.gate_up is not gate_up or call.down is not down
-                or call.biases[0] is not self.gate_up_bias or call.biases[1] is not self.down_bias):
-            call = self.__dict__["_routed_call"] = RoutedExperts(gate_up, down, self.ffn_size, self.gate_up_bias,
-                                                                 self.down_bias)
+        call = getattr(self, "_routed_call", None)  # the stacks checked once per panel copy (a new copy: a new call)
+        if call is None or not call.holds(gate_up, down, self.gate_up_bias, self.down_bias):
+            call = self._routed_call = RoutedExperts(gate_up, down, self.ffn_size, self.gate_up_bias, self.down_bias)
         return call(x, topk_idx, topk_weight, self.limit, self.alpha)
 
     def grouped_kernel_ready(self) -> bool:
