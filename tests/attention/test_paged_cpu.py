@@ -47,7 +47,10 @@ def _oracle(q, k_cache, v_cache, tables, first, last, scale):
 
 @pytest.mark.parametrize("seed,n,heads,kv_heads,dim,block_size,width",
                          [(0, 5, 8, 2, 32, 16, 4), (1, 3, 4, 4, 20, 7, 5), (2, 7, 6, 3, 64, 16, 3),
-                          (3, 1, 2, 1, 9, 1, 13), (4, 4, 12, 4, 128, 8, 2)])
+                          (3, 1, 2, 1, 9, 1, 13), (4, 4, 12, 4, 128, 8, 2),
+                          # head dims of 8-float vectors but not of 32-float chunks, an odd and a single head per K/V
+                          # head, blocks of several 8-key groups and a remainder
+                          (5, 9, 10, 2, 40, 32, 3), (6, 4, 2, 2, 24, 12, 4)])
 def test_the_kernel_matches_the_float64_oracle(seed, n, heads, kv_heads, dim, block_size, width):
     q, k_cache, v_cache, tables, first, last = _case(seed, n, heads, kv_heads, dim, block_size, width)
     scale = dim**-0.5
