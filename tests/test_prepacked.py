@@ -144,3 +144,22 @@ def test_the_routed_call_follows_a_repacked_stack():
         second, _ = experts.routed(x, topk_idx, topk_weight)
     assert experts._routed_call is not call
     torch.testing.assert_close(second, 2 * first, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not panel_gemm.available(), reason="needs x86-64 with AVX2 and a C compiler")
+def test_a_model_that_has_served_deep_copies():
+    """A model whose experts hold a prepared routed call deep-copies (the call keeps no handle of the C library),
+    and the copy, packed, computes with its own weights: the same output, then its own after its weights change."""
+    torch.manual_seed(5)
+    experts = SwiGLUExperts(4, 24, 16)
+    prepack_module(experts)
+    x, topk_idx, topk_weight = torch.randn(5, 24), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    with torch.no_grad():
+        first, _ = experts.routed(x, topk_idx, topk_weight)
+        twin = copy.deepcopy(experts)
+        prepack_module(twin)  # (the packed copies are kept beside a module's weights, not in it: a copy packs anew)
+        torch.testing.assert_close(twin.routed(x, topk_idx, topk_weight)[0], first, rtol=0, atol=0)
+        twin.down.mul_(2.0)
+        prepack_module(twin)
+        torch.testing.assert_close(twin.routed(x, topk_idx, topk_weight)[0], 2 * first, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(experts.routed(x, topk_idx, topk_weight)[0], first, rtol=0, atol=0)

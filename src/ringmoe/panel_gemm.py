@@ -195,10 +195,9 @@ class RoutedExperts:
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ffn_size: int,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
-        self.lib = _library()
         experts = gate_up.shape[0]
         hidden = down.shape[1] // ffn_size if ffn_size > 0 and down.dim() == 2 else -1
-        if (self.lib is None or gate_up.dim() != 2 or down.dim() != 2 or hidden <= 0
+        if (_library() is None or gate_up.dim() != 2 or down.dim() != 2 or hidden <= 0
                 or gate_up.shape[1] != 2 * ffn_size * hidden or tuple(down.shape) != (experts, hidden * ffn_size)
                 or any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
                        for w in (gate_up, down))
@@ -237,11 +236,12 @@ class RoutedExperts:
         tokens, experts = x.shape[0], self.experts
         y = torch.empty(tokens, self.hidden, dtype=torch.float32)
         counts = torch.empty(experts, dtype=torch.int64)
-        status = self.lib.panel_moe(x.data_ptr(), tokens, self.hidden, topk_idx.data_ptr(), topk_weight.data_ptr(),
-                                    topk_idx.shape[1], experts, self.gate_up.data_ptr(), _address(biases[0]),
-                                    self.down.data_ptr(), _address(biases[1]), self.ffn_size,
-                                    -1.0 if limit is None else float(limit), float(alpha), y.data_ptr(),
-                                    counts.data_ptr(), torch.get_num_threads())
+        # (the library not kept on self: a model holding this call stays deep-copyable)
+        status = _library().panel_moe(x.data_ptr(), tokens, self.hidden, topk_idx.data_ptr(), topk_weight.data_ptr(),
+                                      topk_idx.shape[1], experts, self.gate_up.data_ptr(), _address(biases[0]),
+                                      self.down.data_ptr(), _address(biases[1]), self.ffn_size,
+                                      -1.0 if limit is None else float(limit), float(alpha), y.data_ptr(),
+                                      counts.data_ptr(), torch.get_num_threads())
         if status == -2:
             raise ValueError(f"routed_experts: topk_idx holds an expert index outside [0, {experts})")
         if status != 0:

@@ -132,23 +132,28 @@ def test_non_finite_logits_raise_their_own_error_and_minus_inf_is_a_legal_logit(
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_plain_batch_picks_what_each_row_picks_alone(seed):
     """Greedy, temperature, min-p and top-k rows (and one with NaN logits) sampled together: every row's token
-    and logprob equal ``next_token``'s for the same generator state, draw after draw."""
+    equals ``next_token``'s for the same generator state, draw after draw, and so does its logprob where the row
+    asks for logprobs."""
     gen = torch.Generator().manual_seed(seed)
     vocab = 301
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
-              SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=0.9, top_k=40, min_p=0.01),
-              SamplingParams(temperature=2.0, top_k=vocab + 10), SamplingParams(temperature=0.5)]
+    params = [SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=0.7, logprobs=0),
+              SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, min_p=0.05, logprobs=0),
+              SamplingParams(temperature=0.9, top_k=40, min_p=0.01), SamplingParams(temperature=2.0, top_k=vocab + 10),
+              SamplingParams(temperature=0.5), SamplingParams(temperature=0)]
     assert all(p.plain for p in params) and not SamplingParams(top_p=0.9).plain
     alone = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
     together = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
     for _ in range(20):
         logits = torch.randn(len(params), vocab, generator=gen) * 3
-        logits[-1, 7] = float("nan")
+        logits[-2, 7] = float("nan")
         batch = plain_batch(logits, params, together)
-        assert batch[-1] is None  # its request alone ends with an error (next_token raises)
-        for row, (p, choice) in enumerate(zip(params[:-1], batch)):
+        assert batch[-2] is None  # its request alone ends with an error (next_token raises)
+        for row in [r for r in range(len(params)) if r != len(params) - 2]:
+            p, choice = params[row], batch[row]
             single = next_token(logits[row], p, [1, 2], [3], alone[row])
-            assert (choice.token, choice.logprob) == (single.token, single.logprob)
+            assert choice.token == single.token
+            # the log-probability where the request asks for logprobs (none computed for the others)
+            assert choice.logprob == (single.logprob if p.logprobs is not None else None)
 
 
 def test_a_plain_batch_breaks_ties_and_reads_infinities_as_argmax_does():
@@ -161,6 +166,6 @@ def test_a_plain_batch_breaks_ties_and_reads_infinities_as_argmax_does():
     logits[2, 11] = float("inf")
     logits[3] = float("-inf")
     logits[3, 17] = -2.0
-    batch = plain_batch(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    batch = plain_batch(logits, [SamplingParams(temperature=0, logprobs=0)] * 5, [None] * 5)
     assert [c.token if c is not None else None for c in batch] == [3, 60, None, 17, int(torch.argmax(logits[4]))]
     assert batch[3].logprob == 0.0

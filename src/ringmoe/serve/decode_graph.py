@@ -155,16 +155,19 @@ class HeadOutput(NamedTuple):
 IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
 
 
-def _decode_step(model, meta, tables, fresh, k_caches, v_caches, kv_scales):
+def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
     real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
-    (``paged_decode``'s).  -> (hidden (B, hidden); for a batch of one (the module's docstring says why) logits
+    (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
+    head dim).  -> (hidden (B, hidden); for a batch of one (the module's docstring says why) logits
     (1, vocab) float32, the row's greedy token (1,) int64 and its log-probability (1,) float32 (``HeadOutput``),
     else three None; the MoE layers' expert counts over the real rows (moe layers, experts) int64 (None without MoE
     layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs,
     each a whole tensor: the caller pays host time per tensor a compiled graph returns (the 26 outputs this step
     had, routings and K/V apart, cost ~10% of a batch-1 step)."""
-    attention = TableAttention(model, k_caches, v_caches, tables, meta[CONTEXTS], fresh, kv_scales)
+    # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
+    # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
+    attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
     logits = tokens = logprobs = None
     if meta.shape[1] == 1:  # (torch.compile specialises a batch of one: a constant of each graph)
@@ -193,6 +196,10 @@ class DecodeGraph:
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
         self.fn = compiled_step(runner.model) if compile else _decode_step
+        # the cache's sizes are constants of the graph, but for its number of blocks (engines of one model share
+        # its graphs): a symbolic size is one more integer to convert at each call
+        for dim in (0, 1, 3, 4, 5):
+            torch._dynamo.mark_static(runner.kv_buffer, dim)
         # new keys a row may see: its own and those of the band - 1 rows before it (its item's token and drafts);
         # the engine sets 1 + its drafts per request before ``warm_up`` (a constant of the compiled graph)
         self.band = 1
@@ -220,8 +227,11 @@ class DecodeGraph:
             firsts = {1, 2} | {edge for block in self.moe_blocks for edge in block.static_form_edges()}
             runs += [(next(size for size in sizes if size >= first), width) for first in sorted(firsts)
                      if first <= sizes[-1]]
-        for rows, width in dict.fromkeys(runs):
-            self._run_scratch(rows, width)
+        # the model's float attributes (norms' eps, RoPE's base...) traced as constants of the graph, not as inputs
+        # made into tensors at every call (~2-3 us each; only tracing reads the flag: the graphs are made here)
+        with torch._dynamo.config.patch(specialize_float=True):
+            for rows, width in dict.fromkeys(runs):
+                self._run_scratch(rows, width)
         return time.perf_counter() - start
 
     def _run_scratch(self, rows: int, width: int) -> None:
@@ -230,8 +240,8 @@ class DecodeGraph:
         meta = torch.zeros(5, rows, dtype=torch.long, device=runner.device)
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
-        self.fn(runner.model, meta, tables, self._fresh(list(range(rows))), runner.k_cache, runner.v_cache,
-                runner.kv_scales)
+        torch._dynamo.mark_static(meta, 0)
+        self.fn(runner.model, meta, tables, self._fresh(list(range(rows))), runner.kv_buffer, runner.kv_scales)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -294,13 +304,13 @@ class DecodeGraph:
         fresh = self._fresh(owner + list(range(len(items), len(items) + pad)))  # padding rows: items of their own
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
-        hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.k_cache,
-                                                                   runner.v_cache, runner.kv_scales)
-        slots = meta[SLOTS]
-        for layer, (k_cache, v_cache) in enumerate(zip(runner.k_cache, runner.v_cache)):
-            k, v = new_kv[layer]
-            k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
+        hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.kv_buffer,
+                                                                   runner.kv_scales)
+        # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
+        # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
+        buffer = runner.kv_buffer
+        buffer.view(*buffer.shape[:2], -1, *buffer.shape[4:])[:new_kv.shape[0]].index_copy_(2, meta[SLOTS], new_kv)
         for block, count in zip(self.moe_blocks, counts if counts is not None else ()):
             block.record(count)
         self.steps += 1

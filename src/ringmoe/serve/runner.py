@@ -109,9 +109,11 @@ class ModelRunner:
             shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         storage = torch.uint8 if fp8 else param.dtype
         layers = config.num_layers + config.mtp_layers  # the multi-token prediction modules' caches last
-        self.k_cache = [torch.zeros(shape, dtype=storage, device=param.device) for _ in range(layers)]
-        self.v_cache = self.k_cache if self.latent else [torch.zeros(shape, dtype=storage, device=param.device)
-                                                          for _ in range(layers)]
+        # one buffer (layers, K and V (MLA: the latent once), *shape): each layer's K and V are views of it, so a
+        # decode graph's new K/V of every layer (layers, 2, B, ...) go in with one write (``DecodeGraph.run``)
+        self.kv_buffer = torch.zeros(layers, 1 if self.latent else 2, *shape, dtype=storage, device=param.device)
+        self.k_cache = list(self.kv_buffer[:, 0].unbind(0))
+        self.v_cache = self.k_cache if self.latent else list(self.kv_buffer[:, 1].unbind(0))
         # per layer (k_scale, v_scale) of the FP8 cache, else None; MLA's one latent buffer has one scale
         self.kv_scales = calibrate_kv_scales(model, self.latent) if fp8 else None
         self.ring_stats = RingStats()
