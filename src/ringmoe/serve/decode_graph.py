@@ -200,6 +200,8 @@ class DecodeGraph:
         # its graphs): a symbolic size is one more integer to convert at each call
         for dim in (0, 1, 3, 4, 5):
             torch._dynamo.mark_static(runner.kv_buffer, dim)
+        if runner.kv_buffer.device.type == "cuda":  # CUDA graphs copy an input into their own memory at each replay
+            torch._dynamo.mark_static_address(runner.kv_buffer)  # unless its address is fixed: the whole cache
         # new keys a row may see: its own and those of the band - 1 rows before it (its item's token and drafts);
         # the engine sets 1 + its drafts per request before ``warm_up`` (a constant of the compiled graph)
         self.band = 1
