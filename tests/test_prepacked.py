@@ -125,14 +125,20 @@ def test_grouped_experts_through_packed_copies_equal_the_plain_products(bias, li
     assert not torch.equal(fast, torch.zeros_like(fast))
 
 
+def _packed_experts_and_tokens(seed: int) -> tuple[SwiGLUExperts, tuple[torch.Tensor, ...]]:
+    """Four random experts (hidden 24, ffn 16) with their panel copies, and five tokens' x (5, 24), top-2 expert
+    indices and weights."""
+    torch.manual_seed(seed)
+    experts = SwiGLUExperts(4, 24, 16)
+    prepack_module(experts)
+    return experts, (torch.randn(5, 24), torch.randint(0, 4, (5, 2)), torch.rand(5, 2))
+
+
 @pytest.mark.skipif(not panel_gemm.available(), reason="needs x86-64 with AVX2 and a C compiler")
 def test_the_routed_call_follows_a_repacked_stack():
     """``SwiGLUExperts.routed`` keeps its checked call while the panel copies stay, and makes a new one when the
     stacks are packed again after a change: the output follows the new weights."""
-    torch.manual_seed(4)
-    experts = SwiGLUExperts(4, 24, 16)
-    prepack_module(experts)
-    x, topk_idx, topk_weight = torch.randn(5, 24), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    experts, (x, topk_idx, topk_weight) = _packed_experts_and_tokens(seed=4)
     with torch.no_grad():
         first, _ = experts.routed(x, topk_idx, topk_weight)
         call = experts._routed_call
@@ -150,10 +156,7 @@ def test_the_routed_call_follows_a_repacked_stack():
 def test_a_model_that_has_served_deep_copies():
     """A model whose experts hold a prepared routed call deep-copies (the call keeps no handle of the C library),
     and the copy, packed, computes with its own weights: the same output, then its own after its weights change."""
-    torch.manual_seed(5)
-    experts = SwiGLUExperts(4, 24, 16)
-    prepack_module(experts)
-    x, topk_idx, topk_weight = torch.randn(5, 24), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    experts, (x, topk_idx, topk_weight) = _packed_experts_and_tokens(seed=5)
     with torch.no_grad():
         first, _ = experts.routed(x, topk_idx, topk_weight)
         twin = copy.deepcopy(experts)
