@@ -20,15 +20,25 @@
 
 #include "simd_exp.h"
 
+/* the largest and the sum of 8 floats */
+static inline float hmax(__m256 x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+static inline float hsum(__m256 x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    float s = _mm_cvtss_f32(half);
+    float s = hsum(acc);
     for (; i < n; i++)
         s += a[i] * b[i];
     return s;
@@ -42,19 +52,6 @@ static inline void scale_add(float *y, float alpha, float p, const float *v, int
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_mul_ps(a, _mm256_loadu_ps(y + i))));
     for (; i < n; i++)
         y[i] = y[i] * alpha + p * v[i];
-}
-
-/* the largest and the sum of 8 floats */
-static inline float hmax(__m256 x) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-
-static inline float hsum(__m256 x) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 /* scale * (q . k_j) for the 8 keys k_0 .. k_7 at k + j * stride (D % 8 == 0): eight dot products side by side,
@@ -171,7 +168,7 @@ int paged_cached_attention(const float *q, int64_t n, int64_t heads, int64_t D, 
                 const int64_t count = j1 - j0;
                 const float *kb = k_cache + (tables[r * width + b] * bs + j0) * row_stride + h * D;
                 const float *vb = v_cache + (tables[r * width + b] * bs + j0) * row_stride + h * D;
-                for (int64_t g = 0; g < G; g++) {  /* the block's scores for head g, their maximum and NaN flag */
+                for (int64_t g = 0; g < G; g++) {  /* head g: the block's scores, their maximum and NaN flag */
                     float *s = scores + g * bs;
                     __m256 peak8 = _mm256_set1_ps(m[g]), unordered = _mm256_setzero_ps();
                     int64_t j = 0;
@@ -191,15 +188,10 @@ int paged_cached_attention(const float *q, int64_t n, int64_t heads, int64_t D, 
                     }
                     if (_mm256_movemask_ps(unordered))
                         nan[g] = 1.0f;  /* the exponential below would clamp it away: the row's result is NaN */
-                    alpha[g] = peak;  /* (the new maximum, until the factors below) */
-                }
-                for (int64_t g = 0; g < G; g++) {  /* the block's weights e^(s - m_new), the sum and output rescaled */
-                    float *s = scores + g * bs;
-                    const float peak = alpha[g];
+                    /* the block's weights e^(s - m_new), the sum and output rescaled by e^(m_old - m_new) */
                     alpha[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - peak);
                     __m256 sum8 = _mm256_setzero_ps();
-                    int64_t j = 0;
-                    for (; j + 8 <= count; j += 8) {
+                    for (j = 0; j + 8 <= count; j += 8) {
                         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(peak)));
                         _mm256_storeu_ps(s + j, e);
                         sum8 = _mm256_add_ps(sum8, e);
