@@ -296,18 +296,50 @@ def test_the_acceptance_rule_keeps_the_target_distribution(drafts):
         assert _chi_square(second_counts, second, second_draws) < 18.47
 
 
-def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts():
+@pytest.mark.parametrize("graph", ["off", "static"])
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(graph):
     """Verification draws each emitted token as decoding does (one draw from the request's generator per token,
     going on while the draw is the draft), so a seeded request samples the same tokens with any drafter: every
-    draft accepted, every one rejected, n-gram (float64, where the rows' logits agree to rounding)."""
+    draft accepted, every one rejected, n-gram (float64, where the rows' logits agree to rounding); eagerly and
+    from the logits a decode graph's head computed for every row of the step."""
     model = _model("tiny")
     want, want_logprobs = _decode(Engine(model, block_size=4), temperature=0.8, seed=11)
     for drafter in (Oracle(PROMPTS, want), Oracle(PROMPTS, want, wrong=True), None):
-        engine = Engine(model, block_size=4, speculative_config=NGRAM)
+        engine = Engine(model, block_size=4, speculative_config=NGRAM, decode_graph=graph, max_num_seqs=4)
         got, logprobs = _decode(engine, drafter=drafter, temperature=0.8, seed=11)
         assert got == want
         assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
         assert engine.spec_stats.num_draft_tokens > 10
+        if graph != "off":
+            assert engine.runner.decode_graph.drafts_verified > 10
+
+
+def test_a_draft_row_turning_nan_in_a_graph_step_ends_only_its_request():
+    """The decode graph's greedy choices stand for the draws of a verification only while every row of the item
+    has one: a request whose draft row reads a NaN (a draft token's embedding) ends alone with an error, keeping
+    tokens it had before (at most those up to the poisoned one, as without drafts); the other requests of those
+    steps decode as without speculation."""
+    model = _model("tiny")
+    want, _ = _decode(Engine(model, block_size=4))
+    # a token request 0 generates past its first two, which nothing read before it (and no other request reads):
+    # the oracle drafts it, so a verification row reads its embedding
+    j, poison = next((j, t) for j, t in enumerate(want[0]) if j >= 2 and t not in PROMPTS[0] + want[0][:j]
+                     and all(t not in prompt + tokens for prompt, tokens in zip(PROMPTS[1:], want[1:])))
+    with torch.no_grad():
+        model.embed_tokens.weight[poison] = float("nan")
+    engine = Engine(model, block_size=4, speculative_config=NGRAM, decode_graph="static", max_num_seqs=4)
+    engine.drafter = Oracle(PROMPTS, want)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n)) for p, n in zip(PROMPTS, NEW)]
+    final = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert engine.runner.decode_graph.drafts_verified > 0
+    first = final[ids[0]]
+    assert first.finish_reason == "error" and "NaN" in first.error
+    assert 0 < len(first.output_ids) <= j + 1 and first.output_ids == want[0][:len(first.output_ids)]
+    assert [final[i].output_ids for i in ids[1:]] == want[1:]
 
 
 @pytest.mark.parametrize("family, spec", [("tiny", NGRAM), ("deepseek-v3-tiny", MTP)])

@@ -255,12 +255,26 @@ class MoELayer(nn.Module):
             y = y + self.shared(x)
         return y.to(x.dtype), routing
 
+    @property
+    def last_stats(self) -> MoEStats | None:
+        """What the last forward did (``MoEStats``; None before any).  Counts ``record`` took become one when first
+        read: a serving engine reads a decode step's counts of every layer at once (``ModelRunner.expert_counts``)
+        and would otherwise pay ~5 us a layer a step for records nobody reads."""
+        if self._recorded_counts is not None:
+            counts, self._recorded_counts = self._recorded_counts, None
+            self._last_stats = MoEStats(tokens_per_expert=counts, routed_per_expert=counts, dropped_assignments=0,
+                                        dropped_tokens=0, routing=None, num_experts=self.num_experts)
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, stats: MoEStats | None) -> None:
+        self._recorded_counts, self._last_stats = None, stats
+
     def record(self, counts: torch.Tensor) -> None:
         """``last_stats`` of a ``forward_static`` call from its real rows' assignments per expert, counts (E,)
         int64 (dropless; the decode step counts them inside its graph and keeps the routing there: serving reads
         the counts only, and each tensor a graph returns costs its caller host time)."""
-        self.last_stats = MoEStats(tokens_per_expert=counts, routed_per_expert=counts, dropped_assignments=0,
-                                   dropped_tokens=0, routing=None, num_experts=self.num_experts)
+        self._recorded_counts = counts
 
     @torch.no_grad()
     def load_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -286,7 +300,7 @@ class MoELayer(nn.Module):
     def __getstate__(self):
         # last_stats holds graph tensors (aux_loss): not part of the module's state (copy, pickle)
         state = super().__getstate__()
-        state["last_stats"] = None
+        state["_last_stats"] = state["_recorded_counts"] = None
         return state
 
     def _stats(self, routing, plan) -> MoEStats:

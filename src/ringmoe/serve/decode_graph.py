@@ -14,14 +14,19 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   the experts (``MoELayer.forward_static``): no ``.item()`` / ``.tolist()`` in the layer stack; the graph only
   reads the cache: the rows' final states, every layer's new K/V and each MoE layer's assignments per expert over
   the real rows come out of it, and after it the K/V are written at each row's slot (``index_copy_``) and the
-  counts become the MoE statistics, once per step.  For a batch of one the LM head and the greedy choice run
+  counts become the MoE statistics, once per step (``ModelRunner.expert_counts``; a layer's ``last_stats`` are
+  made from its row only when read).  For a batch of one the LM head and the greedy choice run
   inside the graph too (``HeadOutput``: a greedy request's token is the graph's, a sampled one draws from the
   graph's logits): measured in one process against the head run eagerly after the graph, a batch-1 step
   1.05-1.10x faster (the head's and the sampler's host side: dispatch, a log-softmax, an argmax), but steps of 4
   and 8 rows 0.92x / 0.95x: from two rows the eager head multiplies by the weight's prepacked oneDNN copy
   (``ringmoe.prepacked``), which a traced product cannot use, so those steps report hidden states and the
-  engine applies the head.  The rows' integers (token, position, context length, real or padding, slot) travel
-  as one (5, B) tensor: one copy from the host;
+  engine applies the head.  Except in an engine that speculates (a band past one row): there every step applies
+  the head in the graph, and a greedy request's verification takes the graph's choice for each of its rows (the
+  eager head, a log-softmax and an argmax per row cost a step verifying 4 drafts of the demo model ~0.3 ms): in one
+  process, that engine's n-gram decoding 1.19x faster than before, the engine without drafts 1.08x (the MoE
+  statistics read once a step, above).  The rows' integers (token, position, context length, real or padding,
+  slot) travel as one (5, B) tensor: one copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules nor on globals: ``compile_options``) treats
   the batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
@@ -146,17 +151,25 @@ class TableAttention:
                             options["sinks"], new=own, kv_scales=scales, fresh=self.fresh, by_block=True)[None]
 
 
-LOGITS = "logits"  # a graph step's reports hold, under (LOGITS, request id), the request's ``HeadOutput``
+LOGITS = "logits"  # a graph step that applied the LM head reports its ``HeadOutput`` under this key
 
 
 class HeadOutput(NamedTuple):
-    """The LM head's part of a graph step of one row: its logits (1, vocab) float32 and the greedy choice the graph
-    made: the first index of the row's largest logit and that logit's log-probability (NaN where the row holds a
-    NaN or +inf, or only -inf: no choice)."""
+    """The LM head's part of a graph step that applied it (a batch of one, or any step of an engine that
+    speculates): every row's logits (rows, vocab) float32 and the greedy choice the graph made per row: the first
+    index of the row's largest logit and that logit's log-probability (NaN where the row holds a NaN or +inf, or
+    only -inf: no choice); ``spans``: per request id, its item's first row and row count (a token and its drafts)."""
 
     logits: torch.Tensor
-    token: int
-    logprob: float
+    tokens: list[int]
+    logprobs: list[float]
+    spans: dict[str, tuple[int, int]]
+
+    def last_rows(self, request_ids: list[str]) -> tuple[torch.Tensor, list[tuple[int, float]]]:
+        """The logits (n, vocab) and greedy (token, log-probability) of each request's last row."""
+        rows = [sum(self.spans[request_id]) - 1 for request_id in request_ids]
+        logits = self.logits if rows == list(range(self.logits.shape[0])) else self.logits[rows]
+        return logits, [(self.tokens[row], self.logprobs[row]) for row in rows]
 
 
 # the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
@@ -167,10 +180,10 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
     real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
     (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
-    head dim).  -> (hidden (B, hidden); for a batch of one (the module's docstring says why) logits
-    (1, vocab) float32, the row's greedy token (1,) int64 and its log-probability (1,) float32 (``HeadOutput``),
-    else three None; the MoE layers' expert counts over the real rows (moe layers, experts) int64 (None without MoE
-    layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs,
+    head dim).  -> (hidden (B, hidden); for a batch of one or a band of more than one row (the module's docstring
+    says why) logits (B, vocab) float32, each row's greedy token (B,) int64 and its log-probability (B,) float32
+    (``HeadOutput``), else three None; the MoE layers' expert counts over the real rows (moe layers, experts)
+    int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs,
     each a whole tensor: the caller pays host time per tensor a compiled graph returns (the 26 outputs this step
     had, routings and K/V apart, cost ~10% of a batch-1 step)."""
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
@@ -178,7 +191,8 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales):
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
     logits = tokens = logprobs = None
-    if meta.shape[1] == 1:  # (torch.compile specialises a batch of one: a constant of each graph)
+    # (torch.compile specialises a batch of one, and the band is marked static: constants of each graph)
+    if meta.shape[1] == 1 or fresh.shape[1] > 1:
         logits = model.lm_head(hidden).float()
         tokens = logits.max(dim=-1).indices  # the first index of the largest value (a NaN's, if the row has one)
         # the sampler's log-probability (``plain_batch``): NaN where the row holds a NaN or +inf (inf - inf), or only
@@ -289,8 +303,8 @@ class DecodeGraph:
 
     def run(self, items: list) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and for a step of one row, where the graph
-        applied the LM head, {(LOGITS, request_id): its ``HeadOutput``}."""
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and where the graph applied the LM head
+        (a step of one row, any step of a band past one), {LOGITS: its ``HeadOutput``}."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
         ids, positions, slots, owner, cached = [], [], [], [], []  # per row; cached: per item
@@ -321,18 +335,20 @@ class DecodeGraph:
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         buffer = runner.kv_buffer
         buffer.view(*buffer.shape[:2], -1, *buffer.shape[4:])[:new_kv.shape[0]].index_copy_(2, meta[SLOTS], new_kv)
-        for block, count in zip(self.moe_blocks, counts if counts is not None else ()):
+        runner.expert_counts = counts
+        for block, count in zip(self.moe_blocks, counts.unbind() if counts is not None else ()):
             block.record(count)
         self.steps += 1
         self.drafts_verified += real - len(items)
-        reports, first = {}, 0
+        reports, first, spans = {}, 0, {}
         for item in items:
             count = len(item.token_ids)
+            spans[item.request_id] = (first, count)
             if item.drafts:
                 reports[("all", item.request_id)] = hidden[first:first + count]
             if item.report:
                 reports[item.request_id] = hidden[first + count - 1]
             first += count
-        if logits is not None:  # one row: one item, no drafts
-            reports[(LOGITS, items[0].request_id)] = HeadOutput(logits, int(tokens), float(logprobs))
+        if logits is not None:
+            reports[LOGITS] = HeadOutput(logits, tokens.tolist(), logprobs.tolist(), spans)
         return reports

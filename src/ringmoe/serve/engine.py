@@ -43,7 +43,7 @@ from .kv_cache import BlockManager
 from .kv_scales import kv_cache_is_fp8
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
-from .decode_graph import LOGITS
+from .decode_graph import LOGITS, HeadOutput
 from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
@@ -327,11 +327,11 @@ class Engine:
         drafted = [r for r in due if r.draft_ids]
         due = [r for r in due if r.params.max_tokens > 0 and not r.draft_ids]
         outputs = [out for r in prompt_only for out in self._prompt_only(r)]
-        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)])]
+        head = reports.get(LOGITS)  # a compiled step that applied the LM head itself (``decode_graph.HeadOutput``)
+        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)], head)]
         if due:
-            head = reports.get((LOGITS, due[0].request_id))  # a compiled step of one row applied the head itself
-            if head is not None and len(due) == 1:
-                logits, greedy = head.logits, [(head.token, head.logprob)]
+            if head is not None:
+                logits, greedy = head.last_rows([r.request_id for r in due])
             else:
                 logits, greedy = self._head(torch.stack([reports[r.request_id] for r in due])), None
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
@@ -397,27 +397,40 @@ class Engine:
         return min(request.params.max_tokens - len(request.output_ids) - 1,
                    self.groups[group].max_model_len - request.num_tokens - 1)
 
-    def _verify(self, request: Request, hidden: torch.Tensor) -> list[RequestOutput]:
-        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden)), row by row: each row's
-        token is drawn as decoding would draw it (``draw``; under a grammar, masked by the grammar's state after the
-        rows before) and goes through the usual stop rules; the next row is used while the draw is the draft.
-        The cache keeps only accepted positions."""
+    def _verify(self, request: Request, hidden: torch.Tensor, head: HeadOutput | None = None) -> list[RequestOutput]:
+        """Check ``request``'s drafts against the step's logits (hidden (1 + drafts, hidden), or the rows of ``head``
+        where the compiled step applied the LM head), row by row: each row's token is drawn as decoding would draw it
+        (``draw``; under a grammar, masked by the grammar's state after the rows before) and goes through the usual
+        stop rules; the next row is used while the draw is the draft.  The cache keeps only accepted positions."""
         drafts, request.draft_ids = request.draft_ids, []
-        try:
-            logits = self._head(hidden)
-            check_finite(logits)
-        except Exception as error:  # this request alone ends
-            return [self._failed(request, error, request.emitted)]
-        logprobs = torch.log_softmax(logits, dim=-1)
+        choices = None  # per row, the graph's greedy (token, log-probability), where they are the draws
+        if head is not None:
+            first, count = head.spans[request.request_id]
+            logits = head.logits[first:first + count]
+            greedy = list(zip(head.tokens[first:first + count], head.logprobs[first:first + count]))
+            if request.params.greedy and request.matcher is None and not any(math.isnan(lp) for _, lp in greedy):
+                choices = [TokenChoice(*choice) for choice in greedy]  # (NaN: a row with no choice; the check ends it)
+        if choices is None:
+            try:
+                logits = self._head(hidden) if head is None else logits
+                check_finite(logits)
+            except Exception as error:  # this request alone ends
+                return [self._failed(request, error, request.emitted)]
+            logprobs = torch.log_softmax(logits, dim=-1)
         outputs, accepted = [], 0
         for i in range(len(drafts) + 1):
-            try:
-                mask = grammar_masks([request.matcher], logits.shape[1])[0]
-                token = draw(logits[i], request.params, request.generator, mask)
-            except Exception as error:
-                outputs.append(self._failed(request, error, request.emitted))
-                break
-            outputs.append(self._sample_safely(request, logits[i], None, TokenChoice(token, float(logprobs[i, token]))))
+            if choices is not None:
+                choice = choices[i]
+            else:
+                try:
+                    mask = grammar_masks([request.matcher], logits.shape[1])[0]
+                    token = draw(logits[i], request.params, request.generator, mask)
+                except Exception as error:
+                    outputs.append(self._failed(request, error, request.emitted))
+                    break
+                choice = TokenChoice(token, float(logprobs[i, token]))
+            token = choice.token
+            outputs.append(self._sample_safely(request, logits[i], None, choice))
             if request.status == Status.FINISHED or i == len(drafts) or token != drafts[i]:
                 break
             request.num_computed += 1  # an accepted draft: its K/V (computed this step) now count
@@ -475,26 +488,30 @@ class Engine:
             reports = self.runner.step(plan[self.mesh.ep_rank])
         if self.mesh.size > 1:  # they travel pickled to the driver: host memory, not this rank's GPU
             reports = {key: value.cpu() for key, value in reports.items()}
-        moe = [stats for stats in self.model.moe_stats() if stats is not None]
         ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
-        rows = moe[0].tokens_per_rank if moe else None
         if self.record_steps:
             self.runner.history.append({"seconds": time.perf_counter() - start, "ring": self.runner.ring_stats,
-                                        "moe": moe})
+                                        "moe": [stats for stats in self.model.moe_stats() if stats is not None]})
+        stats = {"ep_rank": self.mesh.ep_rank, "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
+                 "ring_compute_s": ring["compute_s"] if ring else 0.0, "ring_wait_s": ring["wait_s"] if ring else 0.0}
+        return reports, stats | self._moe_figures()
+
+    def _moe_figures(self) -> dict:
+        """This rank's MoE figures of the step it ran: assignments per expert and per rank, tokens dropped, and the
+        rows its experts computed."""
+        counts = self.runner.expert_counts
+        if counts is not None:  # a decode graph's step (one rank, dropless): its counts of every layer at once
+            per_expert = counts.sum(0).tolist()
+            return {"tokens_per_expert": per_expert, "tokens_per_rank": [], "dropped_tokens": 0,
+                    "expert_rows": sum(per_expert)}
+        moe = [stats for stats in self.model.moe_stats() if stats is not None]
         per_expert = sum(s.tokens_per_expert for s in moe).tolist() if moe else []
-        stats = {
-            "ep_rank": self.mesh.ep_rank,
-            "tokens_per_expert": per_expert,
-            "tokens_per_rank": sum(s.tokens_per_rank for s in moe).tolist()
-            if moe and moe[0].tokens_per_rank is not None else [],
-            "ring_exposed_comm": ring["exposed_comm_fraction"] if ring else 0.0,
-            "ring_compute_s": ring["compute_s"] if ring else 0.0,
-            "ring_wait_s": ring["wait_s"] if ring else 0.0,
-            "dropped_tokens": sum(s.dropped_tokens for s in moe),
-            "expert_rows": sum(int(s.tokens_per_rank[self.mesh.ep_rank]) for s in moe) if rows is not None
-            else sum(per_expert),
-        }
-        return reports, stats
+        by_rank = moe and moe[0].tokens_per_rank is not None
+        return {"tokens_per_expert": per_expert,
+                "tokens_per_rank": sum(s.tokens_per_rank for s in moe).tolist() if by_rank else [],
+                "dropped_tokens": sum(s.dropped_tokens for s in moe),
+                "expert_rows": sum(int(s.tokens_per_rank[self.mesh.ep_rank]) for s in moe) if by_rank
+                else sum(per_expert)}
 
     def _invariance(self):
         return batch_invariant() if self.deterministic else contextlib.nullcontext()

@@ -119,6 +119,9 @@ class ModelRunner:
         self.ring_stats = RingStats()
         self.history: list[dict] = []  # per step, when the engine records them
         self.kept: dict[str, torch.Tensor] = {}  # the last step's rows of its keep_hidden ring items
+        # a decode graph's step: its real rows' assignments per MoE layer and expert (moe layers, E) int64, read once
+        # by the engine (the layers' ``last_stats`` are made from them only when read); None after any other step
+        self.expert_counts: torch.Tensor | None = None
         self.decode_graph = None  # a model that cannot run the fixed-shape step (a mesh, MLA...) never has one
         if decode_graph != "off" and model.static_ready:
             self.decode_graph = DecodeGraph(self, decode_graph == "compiled")
@@ -246,7 +249,7 @@ class ModelRunner:
         """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here
         (and {("all", request_id): hidden (n, hidden_size)} for items marked report_all).  The rows of ring items
         marked ``keep_hidden`` stay on this rank (``kept``) for the MTP pass that follows the step."""
-        self.kept = {}
+        self.kept, self.expert_counts = {}, None
         if self.decode_graph is not None and DecodeGraph.accepts(self, items):
             return self.decode_graph.run(items)
         copies = [c for item in items for c in item.copies or ()]
