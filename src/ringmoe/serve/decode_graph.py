@@ -183,9 +183,9 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales):
     head dim).  -> (hidden (B, hidden); for a batch of one or a band of more than one row (the module's docstring
     says why) logits (B, vocab) float32, each row's greedy token (B,) int64 and its log-probability (B,) float32
     (``HeadOutput``), else three None; the MoE layers' expert counts over the real rows (moe layers, experts)
-    int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs,
-    each a whole tensor: the caller pays host time per tensor a compiled graph returns (the 26 outputs this step
-    had, routings and K/V apart, cost ~10% of a batch-1 step)."""
+    int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads,
+    head dim)).  Few outputs, each a whole tensor: the caller pays host time per tensor a compiled graph returns
+    (the 26 outputs this step had, routings and K/V apart, cost ~10% of a batch-1 step)."""
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)

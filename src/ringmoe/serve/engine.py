@@ -403,16 +403,19 @@ class Engine:
         (``draw``; under a grammar, masked by the grammar's state after the rows before) and goes through the usual
         stop rules; the next row is used while the draw is the draft.  The cache keeps only accepted positions."""
         drafts, request.draft_ids = request.draft_ids, []
-        choices = None  # per row, the graph's greedy (token, log-probability), where they are the draws
-        if head is not None:
+        logits = choices = None  # choices: per row, the graph's greedy choice, where it is the row's draw
+        if head is not None:  # the compiled step applied the LM head: this request's rows of it
             first, count = head.spans[request.request_id]
             logits = head.logits[first:first + count]
-            greedy = list(zip(head.tokens[first:first + count], head.logprobs[first:first + count]))
-            if request.params.greedy and request.matcher is None and not any(math.isnan(lp) for _, lp in greedy):
-                choices = [TokenChoice(*choice) for choice in greedy]  # (NaN: a row with no choice; the check ends it)
+            greedy = [TokenChoice(token, logprob) for token, logprob
+                      in zip(head.tokens[first:first + count], head.logprobs[first:first + count])]
+            # a greedy request without a grammar draws each row's argmax, unless a row has none (its log-probability
+            # NaN: the row holds a NaN or +inf, which the check below turns into this request's error)
+            if request.params.greedy and request.matcher is None and not any(math.isnan(c.logprob) for c in greedy):
+                choices = greedy
         if choices is None:
             try:
-                logits = self._head(hidden) if head is None else logits
+                logits = self._head(hidden) if logits is None else logits
                 check_finite(logits)
             except Exception as error:  # this request alone ends
                 return [self._failed(request, error, request.emitted)]
