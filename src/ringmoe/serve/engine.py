@@ -406,13 +406,12 @@ class Engine:
         logits = choices = None  # choices: per row, the graph's greedy choice, where it is the row's draw
         if head is not None:  # the compiled step applied the LM head: this request's rows of it
             first, count = head.spans[request.request_id]
-            logits = head.logits[first:first + count]
-            greedy = [TokenChoice(token, logprob) for token, logprob
-                      in zip(head.tokens[first:first + count], head.logprobs[first:first + count])]
+            logits, rows = head.logits[first:first + count], range(first, first + count)
             # a greedy request without a grammar draws each row's argmax, unless a row has none (its log-probability
             # NaN: the row holds a NaN or +inf, which the check below turns into this request's error)
-            if request.params.greedy and request.matcher is None and not any(math.isnan(c.logprob) for c in greedy):
-                choices = greedy
+            if (request.params.greedy and request.matcher is None
+                    and not any(math.isnan(head.logprobs[row]) for row in rows)):
+                choices = [TokenChoice(head.tokens[row], head.logprobs[row]) for row in rows]
         if choices is None:
             try:
                 logits = self._head(hidden) if logits is None else logits
