@@ -44,9 +44,11 @@ __all__ = ["available", "pack", "grouped_linear", "routed_experts", "RoutedExper
 
 _LOG = logging.getLogger(__name__)
 # the C sources built into one library (panel_gemm.c: the products; paged_attention.c: decode attention, used by
-# ``ringmoe.attention.paged_cpu``) and the header they share
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_gemm.c", "paged_attention.c", "simd_exp.h"))
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# ``ringmoe.attention.paged_cpu``; torch_ops.c: the latter as a torch operator's kernel) and the header they share
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("panel_gemm.c", "paged_attention.c", "torch_ops.c", "simd_exp.h"))
+# -fexceptions: a torch error raised inside a kernel of torch_ops.c unwinds through its C frames
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fexceptions", "-shared", "-fPIC")
 _BUILD_SECONDS = 120
 
 
@@ -117,6 +119,46 @@ def _library() -> ctypes.CDLL | None:
                                            ptr, ctypes.c_int]
     lib.paged_cached_attention.restype = ctypes.c_int
     return lib
+
+
+# torch_ops.c's ``struct torch_api``: the libtorch functions it calls, in order, then three codes
+_TORCH_FUNCTIONS = ("aoti_torch_library_init_impl", "aoti_torch_library_impl", "aoti_torch_get_data_ptr",
+                    "aoti_torch_get_dim", "aoti_torch_get_sizes", "aoti_torch_get_dtype", "aoti_torch_get_device_type",
+                    "aoti_torch_is_contiguous", "aoti_torch_empty_strided", "aoti_torch_delete_tensor_object",
+                    "aoti_torch_check", "torch_get_num_threads")
+_TORCH_CODES = ("aoti_torch_dtype_float32", "aoti_torch_dtype_int64", "aoti_torch_device_type_cpu")
+
+
+class _TorchApi(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _TORCH_FUNCTIONS] + [(name, ctypes.c_int32)
+                                                                        for name in _TORCH_CODES]
+
+
+@lru_cache(maxsize=None)
+def register_torch_ops(namespace: str) -> bool:
+    """Register ``torch_ops.c``'s CPU kernels for the operators of ``namespace`` that Python has defined
+    (``ringmoe::paged_cached_attention``), so a compiled graph calls them without entering Python: True where they
+    are registered (once per process), False where the library or a function of torch's C shim is missing here
+    (the operators keep their Python kernels)."""
+    lib = _library()
+    libtorch = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
+    if lib is None or not libtorch.is_file():
+        return False
+    try:
+        shim = ctypes.CDLL(str(libtorch))  # already loaded by torch: the same copy
+        functions = [ctypes.cast(getattr(shim, name), ctypes.c_void_p).value for name in _TORCH_FUNCTIONS]
+        codes = []
+        for name in _TORCH_CODES:
+            getter = getattr(shim, name)
+            getter.restype, getter.argtypes = ctypes.c_int32, []
+            codes.append(getter())
+    except (OSError, AttributeError) as error:  # an older torch without the stable C shim
+        _LOG.info("panel_gemm: torch's C shim lacks %s; the operators keep their Python kernels", error)
+        return False
+    register = lib.ringmoe_register_torch_ops
+    register.argtypes, register.restype = [ctypes.POINTER(_TorchApi), ctypes.c_char_p], ctypes.c_int
+    api = _TorchApi(*functions, *codes)
+    return register(ctypes.byref(api), namespace.encode()) == 0
 
 
 def available() -> bool:

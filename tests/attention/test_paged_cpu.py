@@ -1,6 +1,7 @@
 """The C decode attention over the paged cache (``ringmoe::paged_cached_attention``) against a float64 oracle: GQA,
 odd head dims and block sizes, windows, rows that see no key, NaN kept to its own row, bad tables refused, and the
-operator inside a compiled graph; ``paged_decode``'s compiled form through it within the flash-attn rule."""
+operator inside a compiled graph; its C kernel on the dispatcher (``torch_ops.c``) equal to the Python one, holding
+no reference after a call or an error; ``paged_decode``'s compiled form through it within the flash-attn rule."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ringmoe import panel_gemm
 from ringmoe.attention.paged import paged_decode
+from ringmoe.attention import paged_cpu
 from ringmoe.attention.paged_cpu import applies, paged_cached_attention
 
 pytestmark = pytest.mark.skipif(not panel_gemm.available(), reason="needs x86-64 with AVX2 and a C compiler")
@@ -82,16 +84,49 @@ def test_bad_tables_ranges_and_dtypes_are_refused():
     q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     outside = tables.clone()
     outside[0, 0] = k_cache.shape[0]
-    with pytest.raises(ValueError, match="outside the cache"):
+    with pytest.raises(RuntimeError, match="outside the cache"):
         paged_cached_attention(q, k_cache, v_cache, outside, torch.zeros(2, dtype=torch.long),
                                torch.full((2,), 12, dtype=torch.long), 0.25)
-    with pytest.raises(ValueError, match="outside the cache"):  # a range past the table's width
+    with pytest.raises(RuntimeError, match="outside the cache"):  # a range past the table's width
         paged_cached_attention(q, k_cache, v_cache, tables, first, torch.full((2,), 13, dtype=torch.long), 0.25)
     with pytest.raises(ValueError, match="do not fit"):
         paged_cached_attention(q.double(), k_cache, v_cache, tables, first, last, 0.25)
     with pytest.raises(ValueError, match="do not fit"):
         paged_cached_attention(q, k_cache, v_cache, tables.int(), first, last, 0.25)
     assert not applies(q.double(), k_cache.double(), v_cache.double())
+
+
+def _storage_uses(tensor: torch.Tensor) -> int:
+    """References to the tensor itself (a kernel's handle is one) and to its storage."""
+    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+@pytest.mark.skipif(not paged_cpu.native(), reason="torch's C shim cannot register the kernel here")
+def test_the_c_kernel_on_the_dispatcher_equals_the_python_kernel_and_keeps_no_reference():
+    """The operator's CPU kernel registered from C: bit-equal to the Python kernel (which calls the same C code
+    through ctypes) on GQA, windows and empty rows; every tensor handle it was given released, after a result and
+    after an error (a kept handle would keep the tensor alive: its use count grows)."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("ringmoe::paged_cached_attention", "CPU")
+    operator = torch.ops.ringmoe.paged_cached_attention.default
+    for seed, shape in enumerate([(5, 8, 2, 32, 16, 4), (3, 6, 3, 40, 7, 5), (1, 2, 1, 9, 1, 13)]):
+        q, k_cache, v_cache, tables, first, last = _case(20 + seed, *shape)
+        args = (q.float(), k_cache.float(), v_cache.float(), tables, first, last)
+        before = [_storage_uses(t) for t in args]
+        got = operator(*args, 0.3)
+        want = paged_cpu._paged_cached_attention(*args, 0.3)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+        del got
+        assert [_storage_uses(t) for t in args] == before
+    outside = tables.clone()
+    outside[0, 0] = k_cache.shape[0]  # read: row 0 attends from position 0
+    args = (q.float(), k_cache.float(), v_cache.float(), outside, torch.zeros_like(first), last.clamp(min=1))
+    before = [_storage_uses(t) for t in args]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        operator(*args, 0.3)
+    with pytest.raises(RuntimeError, match="contiguous float32"):  # the operator called directly: its own checks
+        operator(args[0].double(), *args[1:], 0.3)
+    assert [_storage_uses(t) for t in args] == before
 
 
 def test_the_operator_in_a_compiled_graph_equals_its_eager_call():

@@ -348,7 +348,7 @@ def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up(kern
     if not kernel:  # the graphs traced here take the tensor-ops attention
         monkeypatch.setattr(paged_cpu, "panel_gemm", types.SimpleNamespace(_library=lambda: None))
     model = _model("tiny", torch.float32)
-    rows = 2 if kernel else 1  # (a single row's graph keeps the tensor ops: ``paged_decode``)
+    rows = 2 if kernel else 1  # (a single row takes the kernel only where it is registered from C: ``paged_decode``)
     torch._dynamo.reset()  # no graph of an earlier test (the compiled code is kept per function, not per engine)
     for blocks, compiles in ((LONG_SUM // 2, not kernel), (LONG_SUM + 64, False)):
         engine = Engine(model, decode_graph="compiled", max_num_seqs=rows, kv_cache_tokens=blocks * 16,
@@ -356,9 +356,9 @@ def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up(kern
         graph = engine.runner.decode_graph
         before = counters["stats"]["unique_graphs"]
         with torch.no_grad():  # as the engine's steps run
-            graph._run_scratch(rows, 5)
-            graph._run_scratch(rows, 300)  # 4,800 keys: one sum over every key would be past LONG_SUM
-            graph._run_scratch(rows, LONG_SUM + 40)
+            graph._run_scratch(rows, 5, 1)
+            graph._run_scratch(rows, 300, 1)  # 4,800 keys: one sum over every key would be past LONG_SUM
+            graph._run_scratch(rows, LONG_SUM + 40, 1)
         assert (counters["stats"]["unique_graphs"] > before) == compiles, blocks
     torch._dynamo.reset()  # no graph of this test's attention form left for a later test
 

@@ -90,23 +90,37 @@ def test_the_decode_graph_verifies_drafts(family, mode):
     """Drafts verified by the fixed-shape decode step (a token and its drafts as rows that see each other
     causally; windows and sinks with gpt-oss), compiled or not: every draft accepted, every one rejected, n-gram
     lookup and a cache that preempts give the tokens of decoding without speculation, float64 logprobs to 1e-10
-    (the fixed-shape step; the compiled one to float32 rounding of the logits)."""
+    (the fixed-shape step; the compiled one to float32 rounding of the logits).  A step whose requests carry no
+    drafts runs the graph of band 1 (each row sees its own new key only), the others the band of 1 + k; compiled,
+    both were made at start-up: no step compiles."""
+    from torch._dynamo.utils import counters
+
     model = _model(family)
     want, want_logprobs = _decode(Engine(model, block_size=4))
     tolerance = 1e-10 if mode == "static" else 1e-5
     runs = [(dict(), Oracle(PROMPTS, want)), (dict(), Oracle(PROMPTS, want, wrong=True)), (dict(), None),
             (dict(kv_cache_tokens=72), Oracle(PROMPTS, want))]
+    seen = set()  # the bands the graph ran
     for settings, drafter in runs:
         engine = Engine(model, block_size=4, speculative_config=NGRAM, decode_graph=mode, max_num_seqs=4, **settings)
+        graph = engine.runner.decode_graph
+        bands, run, step = [], graph.run, graph.fn  # per graph step: (items carry drafts, the band it ran)
+        graph.run = lambda items: (bands.append([any(item.drafts for item in items)]), run(items))[1]
+        graph.fn = lambda *args: (bands[-1].append(args[3].shape[1]), step(*args))[1]
+        compiled_before = counters["stats"]["unique_graphs"]
         got, logprobs = _decode(engine, drafter=drafter)
         assert got == want, (settings, drafter)
         assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < tolerance
-        graph = engine.runner.decode_graph
+        assert all(band == (1 + NGRAM["num_speculative_tokens"] if drafted else 1) for drafted, band in bands)
+        seen |= {band for _, band in bands}
+        if mode == "compiled":
+            assert counters["stats"]["unique_graphs"] == compiled_before
         assert graph.steps > 0
         if isinstance(drafter, Oracle):  # the graph verified drafts (and, with the oracle, most of them)
             assert graph.drafts_verified > 0.5 * engine.spec_stats.num_draft_tokens > 10
         if "kv_cache_tokens" in settings:
             assert engine.num_preemptions > 0
+    assert seen == {1, 1 + NGRAM["num_speculative_tokens"]}
 
 
 def test_prefix_cache_entries_hold_only_accepted_tokens():

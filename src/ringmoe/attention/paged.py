@@ -17,7 +17,7 @@ import torch
 
 from ..float8 import decode_e4m3
 from .api import flash_attn_func
-from .paged_cpu import applies as _kernel_applies, paged_cached_attention
+from .paged_cpu import applies as _kernel_applies, native as _kernel_native, paged_cached_attention
 from .sinks import add_sinks
 
 __all__ = ["paged_attention", "paged_decode", "invariant_causal_attention", "read_cache"]
@@ -212,10 +212,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = heads // kv_heads
     scale = dim**-0.5
     qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
-    if by_block and kv_scales is None and n > 1 and _kernel_applies(q, k_cache, v_cache):
-        # the C kernel reads each row's visible keys where they lie (``paged_cpu``): no gathered copy.  Not for a
-        # single row (a compiled graph of its own): there the operator's call (~25 us a layer, through the
-        # dispatcher into Python) costs more than the gather it saves (a batch-1 step 0.91x, ``decode.json``)
+    if by_block and kv_scales is None and (n > 1 or _kernel_native()) and _kernel_applies(q, k_cache, v_cache):
+        # the C kernel reads each row's visible keys where they lie (``paged_cpu``): no gathered copy.  For a single
+        # row (a compiled graph of its own) only where the kernel is registered from C (``paged_cpu.native``): a
+        # call through the dispatcher into a Python kernel (~25 us a layer) cost more than the gather it saves (a
+        # batch-1 step 0.91x, ``decode.json``); without Python, in one process the small preset's batch-1 step
+        # 1.09-1.21x faster than with the gather
         first = ((contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts))
         out, lse = paged_cached_attention(q, k_cache, v_cache, tables, first, cached[:, 0].clamp(max=length), scale)
         out, lse = out.view(n, kv_heads, group, dim), lse.view(n, kv_heads, group)

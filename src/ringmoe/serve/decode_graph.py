@@ -21,12 +21,12 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   1.05-1.10x faster (the head's and the sampler's host side: dispatch, a log-softmax, an argmax), but steps of 4
   and 8 rows 0.92x / 0.95x: from two rows the eager head multiplies by the weight's prepacked oneDNN copy
   (``ringmoe.prepacked``), which a traced product cannot use, so those steps report hidden states and the
-  engine applies the head.  Except in an engine that speculates (a band past one row): there every step applies
-  the head in the graph, and a greedy request's verification takes the graph's choice for each of its rows (the
-  eager head, a log-softmax and an argmax per row cost a step verifying 4 drafts of the demo model ~0.3 ms): in one
-  process, that engine's n-gram decoding 1.19x faster than before, the engine without drafts 1.08x (the MoE
-  statistics read once a step, above).  The rows' integers (token, position, context length, real or padding,
-  slot) travel as one (5, B) tensor: one copy from the host;
+  engine applies the head.  Except in an engine that speculates (a band past one row): there every step that
+  carries drafts applies the head in the graph, and a greedy request's verification takes the graph's choice for
+  each of its rows (the eager head, a log-softmax and an argmax per row cost a step verifying 4 drafts of the demo
+  model ~0.3 ms): in one process, that engine's n-gram decoding 1.19x faster than before, the engine without drafts
+  1.08x (the MoE statistics read once a step, above).  The rows' integers (token, position, context length, real
+  or padding, slot) travel as one (5, B) tensor: one copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules nor on globals: ``compile_options``) treats
   the batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
@@ -38,7 +38,10 @@ Speculative decoding: an item of a token and its k drafts (positions p .. p + k)
 the request's block table and read its cache up to p - 1; the rows' new keys join causally within the item
 (``paged_decode``'s ``fresh``: row j sees the item's rows 0 .. j, each row gathering the new keys of the
 ``band`` rows up to it), so the drafts are verified by the same
-compiled graph as plain decodes, and the step reports every row's hidden state for the item.
+compiled graph as plain decodes, and the step reports every row's hidden state for the item.  A step none of whose
+requests carries drafts (no n-gram matched) runs the graph of band 1, compiled at start-up too: with the band of
+1 + k such a step of the demo model cost ~15% more (each row gathering, scoring and masking k new keys it never
+sees); in one process the speculating engine's n-gram decoding at one request 1.12x faster.
 
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
 mode, meshes (cp or ep > 1), latent attention and capacity-bounded experts take the eager path
@@ -236,36 +239,45 @@ class DecodeGraph:
         """Compile now rather than at the first requests: every bucket up to ``max_rows`` runs once (most
         reuse one graph; the experts' forms switch with the row count), with a short table and, when the cache
         holds more than ``LONG_SUM`` blocks, each form once more with a table wider than that (a serving step
-        would otherwise compile for seconds when the first context grows past it); seconds taken.  The rows decode
-        into the scratch block only: no request's cache is touched."""
-        runner, start = self.runner, time.perf_counter()
+        would otherwise compile for seconds when the first context grows past it); with a band past one (an engine
+        that speculates) the same again for the steps that carry no drafts (band 1: ``run``), up to ``max_rows`` /
+        band rows; seconds taken.  The rows decode into the scratch block only: no request's cache is touched."""
+        start = time.perf_counter()
+        runs = self._warm_up_runs(max_rows, self.band)
+        if self.band > 1:
+            runs += self._warm_up_runs(max(1, max_rows // self.band), 1)
+        # the model's float attributes (norms' eps, RoPE's base...) traced as constants of the graph, not as inputs
+        # made into tensors at every call (~2-3 us each; only tracing reads the flag: the graphs are made here)
+        with torch._dynamo.config.patch(specialize_float=True):
+            for rows, width, band in dict.fromkeys(runs):
+                self._run_scratch(rows, width, band)
+        return time.perf_counter() - start
+
+    def _warm_up_runs(self, max_rows: int, band: int) -> list[tuple[int, int, int]]:
+        """``warm_up``'s steps (rows, table width, band) for one band."""
+        runner = self.runner
         sizes = self.warm_up_sizes(max_rows)
         # a width no bucket of rows has: torch.compile would otherwise take the two sizes for one symbol (duck
         # sizing) and recompile at the first step where they differ
-        runs = [(rows, 3) for rows in sizes]
+        runs = [(rows, 3, band) for rows in sizes]
         if runner.scratch_block > LONG_SUM:
             width = LONG_SUM + 1
             while width in sizes or width in runner.k_cache[0].shape:  # no other size of the inputs (duck sizing)
                 width += 1
             # each form's graph once: its first row count (a batch of one, then each side of the experts' switches)
             firsts = {1, 2} | {edge for block in self.moe_blocks for edge in block.static_form_edges()}
-            runs += [(next(size for size in sizes if size >= first), width) for first in sorted(firsts)
+            runs += [(next(size for size in sizes if size >= first), width, band) for first in sorted(firsts)
                      if first <= sizes[-1]]
-        # the model's float attributes (norms' eps, RoPE's base...) traced as constants of the graph, not as inputs
-        # made into tensors at every call (~2-3 us each; only tracing reads the flag: the graphs are made here)
-        with torch._dynamo.config.patch(specialize_float=True):
-            for rows, width in dict.fromkeys(runs):
-                self._run_scratch(rows, width)
-        return time.perf_counter() - start
+        return runs
 
-    def _run_scratch(self, rows: int, width: int) -> None:
+    def _run_scratch(self, rows: int, width: int, band: int) -> None:
         """One step of ``rows`` padding rows with tables of ``width`` blocks, all in the scratch block."""
         runner, scratch = self.runner, self.runner.scratch_block
         meta = torch.zeros(5, rows, dtype=torch.long, device=runner.device)
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
         torch._dynamo.mark_static(meta, 0)
-        self.fn(runner.model, meta, tables, self._fresh(list(range(rows))), runner.kv_buffer, runner.kv_scales)
+        self.fn(runner.model, meta, tables, self._fresh(list(range(rows)), band), runner.kv_buffer, runner.kv_scales)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -277,17 +289,17 @@ class DecodeGraph:
                     sizes |= {edge - 1, edge}
         return sorted(size for size in sizes if 1 <= size <= max_rows)
 
-    def _fresh(self, group: list[int]) -> torch.Tensor:
+    def _fresh(self, group: list[int], band: int) -> torch.Tensor:
         """(rows, band) bool on the runner's device: row r sees the new key of row r - j when both rows are of one
         item (``group``: each row's item, padding rows each their own).  Band 1 (no drafts): all True, made once
         per row count."""
         rows = len(group)
-        if self.band == 1:
+        if band == 1:
             if rows not in self._own_keys:
                 self._own_keys[rows] = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
             return self._own_keys[rows]
         item = torch.tensor(group)
-        back = torch.arange(rows)[:, None] - torch.arange(self.band)
+        back = torch.arange(rows)[:, None] - torch.arange(band)
         fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.runner.device)
         torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
         return fresh
@@ -325,7 +337,9 @@ class DecodeGraph:
         # padding rows decode token 0 at position 0 into the scratch block
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
                              [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long)
-        fresh = self._fresh(owner + list(range(len(items), len(items) + pad)))  # padding rows: items of their own
+        # a step with no drafts runs the graph of band 1 (compiled too: ``warm_up``); its rows see their own key only
+        band = 1 if real == len(items) else self.band
+        fresh = self._fresh(owner + list(range(len(items), len(items) + pad)), band)  # padding rows: own items
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
         torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
