@@ -18,7 +18,8 @@ import ringmoe
 ROOT = Path(ringmoe.__file__).resolve().parent
 LAYERS = {"attention": 1, "quant": 1, "parallel": 2, "moe": 3, "model": 4, "text": 5, "serve": 6, "train": 6, "sim": 6,
           "apps": 7, "cli": 8}
-UTILITY_EDGES = {("ringmoe.batch_invariant", "ringmoe.prepacked"), ("ringmoe.prepacked", "ringmoe.panel_gemm")}
+UTILITY_EDGES = {("ringmoe.batch_invariant", "ringmoe.prepacked"), ("ringmoe.prepacked", "ringmoe.panel_gemm"),
+                 ("ringmoe.operators", "ringmoe.panel_gemm")}
 LAZY_ALLOWED = {"ringmoe.cli": None,                                                # every command's job
                 "ringmoe.attention.kernels": {"ringmoe.attention.triton_flash"},     # optional Triton
                 "ringmoe.attention.paged": {"ringmoe.attention.triton_flash", "ringmoe.attention.triton_paged"},

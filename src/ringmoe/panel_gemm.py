@@ -125,7 +125,7 @@ def _library() -> ctypes.CDLL | None:
 _TORCH_FUNCTIONS = ("aoti_torch_library_init_impl", "aoti_torch_library_impl", "aoti_torch_get_data_ptr",
                     "aoti_torch_get_dim", "aoti_torch_get_sizes", "aoti_torch_get_dtype", "aoti_torch_get_device_type",
                     "aoti_torch_is_contiguous", "aoti_torch_empty_strided", "aoti_torch_delete_tensor_object",
-                    "aoti_torch_check", "torch_get_num_threads")
+                    "aoti_torch_check", "torch_get_num_threads", "aoti_torch_get_numel", "aoti_torch_call_dispatcher")
 _TORCH_CODES = ("aoti_torch_dtype_float32", "aoti_torch_dtype_int64", "aoti_torch_device_type_cpu")
 
 
@@ -137,9 +137,9 @@ class _TorchApi(ctypes.Structure):
 @lru_cache(maxsize=None)
 def register_torch_ops(namespace: str) -> bool:
     """Register ``torch_ops.c``'s CPU kernels for the operators of ``namespace`` that Python has defined
-    (``ringmoe::paged_cached_attention``), so a compiled graph calls them without entering Python: True where they
-    are registered (once per process), False where the library or a function of torch's C shim is missing here
-    (the operators keep their Python kernels)."""
+    (``ringmoe.operators``), so a compiled graph calls them without entering Python: True where they are registered
+    (once per process), False where the library or a function of torch's C shim is missing here (the operators keep
+    their Python kernels)."""
     lib = _library()
     libtorch = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
     if lib is None or not libtorch.is_file():

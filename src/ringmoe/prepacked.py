@@ -28,7 +28,7 @@ import torch
 
 from . import panel_gemm
 
-__all__ = ["prepack_supported", "prepack", "packed", "packed_panels", "has_panels", "packed_linear",
+__all__ = ["prepack_supported", "prepack", "packed", "packed_panels", "has_panels", "panel_copy", "packed_linear",
            "prepacked_bytes", "prepack_module"]
 
 
@@ -116,8 +116,13 @@ def packed_linear(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | No
 def has_panels(weight: torch.Tensor) -> bool:
     """Does the stack ``weight`` have a current panel copy (``packed_panels`` hands it to the products that may
     use it).  Call outside torch.compile (a traced graph never sees the table)."""
+    return panel_copy(weight) is not None
+
+
+def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The current panel copy of the stack ``weight`` (E, out * in), or None.  Call outside torch.compile."""
     pack = _current(weight)
-    return pack is not None and pack.panels is not None
+    return None if pack is None else pack.panels
 
 
 def prepacked_bytes(weight: torch.Tensor) -> int:

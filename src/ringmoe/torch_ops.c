@@ -1,5 +1,6 @@
-/* ringmoe's C kernels as torch operators that run without Python: the CPU kernel of
- * ``ringmoe::paged_cached_attention`` registered on torch's dispatcher through libtorch's stable C shim.
+/* ringmoe's C kernels as torch operators that run without Python: the CPU kernels of
+ * ``ringmoe::paged_cached_attention`` and ``ringmoe::grouped_experts`` registered on torch's dispatcher through
+ * libtorch's stable C shim.
  *
  * An operator whose kernel is a Python function costs, called from a compiled graph, the dispatcher's way into
  * Python and the function's own checks: ~25-50 us a call on 2 CPU threads, per layer per decode step.  libtorch
@@ -15,7 +16,13 @@
  * raises through ``aoti_torch_check`` (a c10::Error thrown from libtorch, a RuntimeError in Python): this file is
  * compiled with unwind tables (-fexceptions), so the exception passes through its frames, which hold nothing to
  * release by then.
+ *
+ * ``grouped_experts`` names its MoE layer by an int key (``moe/grouped_op.py``): ``ringmoe::bind_experts`` gives this
+ * file the layer's panel copies, biases and activation (it keeps the tensors' handles: references, released when
+ * the key is bound again or unbound with empty tensors); a key with nothing bound runs the operator's Python kernel
+ * (``ringmoe::grouped_experts_python``, called through the dispatcher).
  */
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +50,8 @@ struct torch_api {
     TorchError (*delete_tensor)(AtenTensorHandle t);
     void (*check)(bool cond, const char *func, const char *file, uint32_t line, const char *msg);
     TorchError (*num_threads)(uint32_t *out);
+    TorchError (*numel)(AtenTensorHandle t, int64_t *out);
+    TorchError (*call_dispatcher)(const char *op, const char *overload, StableIValue *stack);
     int32_t float32, int64, cpu; /* torch's codes of the two dtypes and the CPU device */
 };
 
@@ -52,6 +61,10 @@ int paged_cached_attention(const float *q, int64_t n, int64_t heads, int64_t D, 
                            const float *v_cache, int64_t blocks, int64_t bs, int64_t kv_heads, const int64_t *tables,
                            int64_t width, const int64_t *first, const int64_t *last, float scale, float *out,
                            float *lse, int threads);
+
+int panel_moe(const float *x, int64_t T, int64_t H, const int64_t *topk_idx, const float *topk_weight, int64_t k,
+              int64_t E, const float *gate_up, const float *gate_up_bias, const float *down, const float *down_bias,
+              int64_t F, float limit, float alpha, float *y, int64_t *counts, int threads);
 
 /* Is t a contiguous CPU tensor of this dtype and number of dimensions. */
 static bool fits(AtenTensorHandle t, int32_t dtype, int64_t dims) {
@@ -73,6 +86,14 @@ static void *data(AtenTensorHandle t) {
     void *pointer = NULL;
     api.data_ptr(t, &pointer);
     return pointer;
+}
+
+/* torch's thread count now (``torch.set_num_threads``): the kernels' OpenMP threads. */
+static int threads_now(void) {
+    uint32_t threads = 1;
+    if (api.num_threads(&threads) || threads < 1)
+        threads = 1;
+    return (int)threads;
 }
 
 /* A contiguous float32 CPU tensor of ``dims`` sizes, or NULL. */
@@ -118,12 +139,9 @@ static void attention_kernel(StableIValue *stack, uint64_t num_args, uint64_t nu
     h[7] = empty(2, out_sizes);
     if (h[6] == NULL || h[7] == NULL)
         fail(h, 8, "paged_cached_attention: out of memory for the output");
-    uint32_t threads = 1;
-    if (api.num_threads(&threads) || threads < 1)
-        threads = 1;
     int status = paged_cached_attention(data(h[0]), n, heads, dim, data(h[1]), data(h[2]), k[0], k[1], k[2],
                                         data(h[3]), tables[1], data(h[4]), data(h[5]), (float)scale, data(h[6]),
-                                        data(h[7]), (int)threads);
+                                        data(h[7]), threads_now());
     if (status == -2)
         fail(h, 8, "paged_cached_attention: a block table entry or a row's key range lies outside the cache or the "
                    "table");
@@ -135,6 +153,137 @@ static void attention_kernel(StableIValue *stack, uint64_t num_args, uint64_t nu
     stack[1] = (StableIValue)(uintptr_t)h[7];
 }
 
+/* A MoE layer's experts as ``bind_experts`` gave them: panel copies gate_up (E, 2F * H), down (E, H * F) float32,
+ * biases (E, 2F), (E, H) or NULL; the tensors' handles are this table's references. */
+struct experts {
+    int64_t key, experts, hidden, ffn;
+    AtenTensorHandle tensors[4]; /* gate_up, down, gate_up_bias, down_bias (NULL: none) */
+    float limit, alpha;
+};
+
+static struct experts *bound;
+static size_t bound_count, bound_room;
+static char python_kernel[128]; /* "<ns>::grouped_experts_python" */
+static pthread_mutex_t bound_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void release(struct experts *entry) {
+    for (int i = 0; i < 4; i++)
+        if (entry->tensors[i] != NULL)
+            api.delete_tensor(entry->tensors[i]);
+}
+
+static int64_t numel(AtenTensorHandle t) {
+    int64_t count = 0;
+    api.numel(t, &count);
+    return count;
+}
+
+/* bind_experts(int layer, Tensor gate_up, Tensor down, Tensor gate_up_bias, Tensor down_bias, int ffn_size,
+ * float limit, float alpha) -> (): the layer's panel copies (``panel_gemm.pack``) and biases (empty: none); empty
+ * panels unbind the layer.  limit < 0: no clamp (``panel_moe``'s convention). */
+static void bind_kernel(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
+    (void)num_args, (void)num_outputs;
+    struct experts entry = {.key = (int64_t)stack[0], .ffn = (int64_t)stack[5]};
+    double limit, alpha;
+    memcpy(&limit, &stack[6], sizeof limit);
+    memcpy(&alpha, &stack[7], sizeof alpha);
+    entry.limit = (float)limit, entry.alpha = (float)alpha;
+    for (int i = 0; i < 4; i++)
+        entry.tensors[i] = (AtenTensorHandle)(uintptr_t)stack[1 + i];
+    bool unbind = numel(entry.tensors[0]) == 0;
+    if (!unbind) {
+        const int64_t *gate_up = shape(entry.tensors[0]), *down = shape(entry.tensors[1]);
+        entry.experts = gate_up[0];
+        entry.hidden = entry.ffn > 0 ? down[1] / entry.ffn : 0;
+        bool biases_fit = true;
+        for (int i = 2; i < 4; i++) {
+            if (numel(entry.tensors[i]) == 0) {
+                api.delete_tensor(entry.tensors[i]);
+                entry.tensors[i] = NULL;
+            } else {
+                const int64_t *b = shape(entry.tensors[i]);
+                biases_fit &= fits(entry.tensors[i], api.float32, 2) && b[0] == entry.experts
+                              && b[1] == (i == 2 ? 2 * entry.ffn : entry.hidden);
+            }
+        }
+        if (!fits(entry.tensors[0], api.float32, 2) || !fits(entry.tensors[1], api.float32, 2) || entry.hidden < 1
+            || down[0] != entry.experts || down[1] != entry.hidden * entry.ffn
+            || gate_up[1] != 2 * entry.ffn * entry.hidden || !biases_fit)
+            fail(entry.tensors, 4, "bind_experts: the panel copies and biases do not fit together");
+    }
+    pthread_mutex_lock(&bound_lock);
+    size_t i = 0;
+    while (i < bound_count && bound[i].key != entry.key)
+        i++;
+    if (i < bound_count) { /* the key's earlier binding is released (unbinding: the last entry takes its place) */
+        release(&bound[i]);
+        bound[i] = bound[--bound_count];
+    }
+    if (unbind) {
+        pthread_mutex_unlock(&bound_lock);
+        release(&entry);
+        return;
+    }
+    if (bound_count == bound_room) {
+        size_t room = bound_room ? 2 * bound_room : 16;
+        struct experts *grown = realloc(bound, room * sizeof *grown);
+        if (grown == NULL) {
+            pthread_mutex_unlock(&bound_lock);
+            fail(entry.tensors, 4, "bind_experts: out of memory");
+        }
+        bound = grown;
+        bound_room = room;
+    }
+    bound[bound_count++] = entry;
+    pthread_mutex_unlock(&bound_lock);
+}
+
+/* grouped_experts(Tensor x, Tensor topk_idx, Tensor topk_weight, int layer) -> Tensor: the layer's dropless routed
+ * output (T, H) float32 (``panel_moe``); a layer with nothing bound: the Python kernel. */
+static void experts_kernel(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
+    (void)num_args, (void)num_outputs;
+    AtenTensorHandle h[4] = {(AtenTensorHandle)(uintptr_t)stack[0], (AtenTensorHandle)(uintptr_t)stack[1],
+                             (AtenTensorHandle)(uintptr_t)stack[2], NULL}; /* x, topk_idx, topk_weight; y */
+    int64_t key = (int64_t)stack[3];
+    pthread_mutex_lock(&bound_lock);
+    struct experts *entry = NULL;
+    for (size_t i = 0; i < bound_count && entry == NULL; i++)
+        if (bound[i].key == key)
+            entry = &bound[i];
+    if (entry == NULL) {
+        pthread_mutex_unlock(&bound_lock);
+        if (api.call_dispatcher(python_kernel, "", stack)) /* the stack's handles go with the call */
+            api.check(false, "ringmoe", __FILE__, __LINE__,
+                      "grouped_experts: the operator's Python kernel failed (its error is logged above)");
+        return; /* stack[0]: its output */
+    }
+    const int64_t *x = shape(h[0]), *idx = shape(h[1]), *weight = shape(h[2]);
+    if (!fits(h[0], api.float32, 2) || !fits(h[1], api.int64, 2) || !fits(h[2], api.float32, 2)
+        || x[1] != entry->hidden || idx[0] != x[0] || weight[0] != x[0] || idx[1] != weight[1]) {
+        pthread_mutex_unlock(&bound_lock);
+        fail(h, 4, "grouped_experts: x (T, H) float32, topk_idx (T, k) int64 and topk_weight (T, k) float32, "
+                   "contiguous, do not fit the layer's experts");
+    }
+    int64_t out_sizes[2] = {x[0], x[1]};
+    h[3] = empty(2, out_sizes);
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)entry->experts);
+    int status = -1;
+    if (h[3] != NULL && counts != NULL)
+        status = panel_moe(data(h[0]), x[0], x[1], data(h[1]), data(h[2]), idx[1], entry->experts,
+                           data(entry->tensors[0]), entry->tensors[2] ? data(entry->tensors[2]) : NULL,
+                           data(entry->tensors[1]), entry->tensors[3] ? data(entry->tensors[3]) : NULL, entry->ffn,
+                           entry->limit, entry->alpha, data(h[3]), counts, threads_now());
+    pthread_mutex_unlock(&bound_lock);
+    free(counts);
+    if (status == -2)
+        fail(h, 4, "grouped_experts: topk_idx holds an expert index outside the layer's experts");
+    if (status != 0)
+        fail(h, 4, "grouped_experts: out of memory for a MoE layer's buffers");
+    for (int i = 0; i < 3; i++)
+        api.delete_tensor(h[i]);
+    stack[0] = (StableIValue)(uintptr_t)h[3];
+}
+
 /* Register the kernels above for the CPU under namespace ``ns`` (whose operators Python has defined); 0 on success.
  * The library object stays for the process's life: the registration lasts as long. */
 int ringmoe_register_torch_ops(const struct torch_api *functions, const char *ns) {
@@ -142,7 +291,13 @@ int ringmoe_register_torch_ops(const struct torch_api *functions, const char *ns
     TorchLibraryHandle lib = NULL;
     if (api.library_init_impl(ns, "CPU", __FILE__, __LINE__, &lib) || lib == NULL)
         return -1;
-    if (api.library_impl(lib, "paged_cached_attention", attention_kernel))
+    if (strlen(ns) + sizeof "::grouped_experts_python" > sizeof python_kernel)
+        return -1;
+    strcpy(python_kernel, ns);
+    strcat(python_kernel, "::grouped_experts_python");
+    if (api.library_impl(lib, "paged_cached_attention", attention_kernel)
+        || api.library_impl(lib, "bind_experts", bind_kernel)
+        || api.library_impl(lib, "grouped_experts", experts_kernel))
         return -1;
     return 0;
 }

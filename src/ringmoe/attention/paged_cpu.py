@@ -8,12 +8,12 @@ the output and the log-sum-exp of the cached keys (the caller merges the keys no
 
 It runs where ``applies``: float32 query and cache on a CPU where ``panel_gemm``'s library builds (x86-64, AVX2, a C
 compiler); elsewhere (float64 references, bf16, FP8 caches, GPUs) the tensor ops run.  A torch operator
-(``ringmoe::paged_cached_attention``, declared through ``torch.library.Library``: ``grouped_op`` says why) so a
-compiled graph calls it as one node.  Its CPU kernel is C too where torch's C shim allows (``torch_ops.c``,
-``panel_gemm.register_torch_ops``): a compiled graph then calls the kernel without entering Python (~25 us a call
-less; in one process the small preset's compiled steps of 8 / 32 rows 1.02x / 1.01x faster, and a batch of one,
-which took the gather in tensor ops while the call cost that much, 1.09-1.21x: ``paged.paged_decode``); elsewhere
-the operator's kernel is the Python function below, which calls the same C code.
+(``ringmoe::paged_cached_attention``, declared in ``ringmoe.operators``) so a compiled graph calls it as one node.
+Its CPU kernel is C too where torch's C shim allows (``torch_ops.c``, ``operators.c_kernels``): a compiled graph
+then calls the kernel without entering Python (~25 us a call less; in one process the small preset's compiled steps
+of 8 / 32 rows 1.02x / 1.01x faster, and a batch of one, which took the gather in tensor ops while the call cost
+that much, 1.09-1.21x: ``paged.paged_decode``); elsewhere the operator's kernel is the Python function below, which
+calls the same C code.
 """
 
 from __future__ import annotations
@@ -21,13 +21,10 @@ from __future__ import annotations
 import torch
 
 from .. import panel_gemm
+from ..operators import LIBRARY, c_kernels
 
 __all__ = ["applies", "native", "paged_cached_attention"]
 
-_NAMESPACE = "ringmoe"
-_LIBRARY = torch.library.Library(_NAMESPACE, "FRAGMENT")
-_LIBRARY.define("paged_cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor first, "
-                "Tensor last, float scale) -> (Tensor, Tensor)")
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -42,7 +39,7 @@ def _built() -> bool:
     torch.compile takes it as a constant of the graph it traces (it would otherwise trace into the build)."""
     if panel_gemm._library() is None:
         return False
-    panel_gemm.register_torch_ops(_NAMESPACE)
+    c_kernels()
     return True
 
 
@@ -50,7 +47,7 @@ def _built() -> bool:
 def native() -> bool:
     """Whether the operator's CPU kernel is C (``torch_ops.c``): a call costs the dispatcher only (a constant of
     a traced graph, as ``_built``)."""
-    return _built() and panel_gemm.register_torch_ops(_NAMESPACE)
+    return _built() and c_kernels()
 
 
 def paged_cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -103,6 +100,6 @@ def _shapes(q, k_cache, v_cache, tables, first, last, scale):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-_LIBRARY.impl("paged_cached_attention", _paged_cached_attention, "CompositeExplicitAutograd")
-torch.library.register_fake("ringmoe::paged_cached_attention", _shapes, lib=_LIBRARY)
+LIBRARY.impl("paged_cached_attention", _paged_cached_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("ringmoe::paged_cached_attention", _shapes, lib=LIBRARY)
 _operator = torch.ops.ringmoe.paged_cached_attention.default

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..batch_invariant import InvariantLinear, linear, rowwise, tile_rows
 from ..panel_gemm import RoutedExperts, grouped_linear
-from ..prepacked import has_panels, packed, packed_linear, packed_panels
+from ..prepacked import has_panels, packed, packed_linear, packed_panels, panel_copy
 
 __all__ = ["SwiGLUExperts", "SharedExpert", "swiglu"]
 
@@ -122,6 +122,23 @@ class SwiGLUExperts(nn.Module):
         """Will the routed part run in ``panel_gemm``'s C code (``routed``, ``grouped``; outside a traced graph,
         without gradients): both stacks have current panel copies."""
         return has_panels(self.gate_up) and has_panels(self.down)
+
+    def c_binding(self) -> tuple | None:
+        """What the C kernel of ``grouped_experts`` takes (``MoELayer.bind_c_experts``, ``ringmoe.operators``): the
+        panel copies of both stacks, the biases as float32 (an empty tensor: none), ffn_size, the clamp (-1: none)
+        and alpha; None where a stack has no current panel copy."""
+        gate_up, down = panel_copy(self.gate_up), panel_copy(self.down)
+        if gate_up is None or down is None:
+            return None
+        biases = [torch.empty(0) if b is None else b.detach().to(torch.float32).contiguous()
+                  for b in (self.gate_up_bias, self.down_bias)]
+        return (gate_up, down, *biases, self.ffn_size, -1.0 if self.limit is None else float(self.limit),
+                float(self.alpha))
+
+    def weights_versions(self) -> tuple:
+        """The stacks and biases as they are now (each tensor and its version): what a binding was made from."""
+        return tuple((t, t._version) for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+                     if t is not None)
 
     def _rounds(self, x: torch.Tensor, counts: list[int], active: list[int]) -> tuple:
         """The two rounds of ``grouped``'s products, each rows (N, in) sorted by expert -> (N, out): the grouped

@@ -19,7 +19,9 @@ import weakref
 
 import torch
 
-__all__ = ["register_layer", "is_registered", "grouped_experts"]
+from ..operators import LIBRARY
+
+__all__ = ["register_layer", "is_registered", "grouped_experts", "bind_experts"]
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -36,12 +38,12 @@ def is_registered(key: int, layer) -> bool:
     return _LAYERS.get(key) is layer
 
 
-# Declared through ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter wraps every call in
-# its own Python layers (autograd and device checks, schema handling), ~40 us a call measured on 2 CPU threads, per
-# MoE layer per decode step; a kernel registered on the dispatcher is called directly (the decode step never asks
-# for gradients: no autograd formula is registered, and a backward through the operator raises).
-_LIBRARY = torch.library.Library("ringmoe", "FRAGMENT")
-_LIBRARY.define("grouped_experts(Tensor x, Tensor topk_idx, Tensor topk_weight, int layer) -> Tensor")
+# Declared through ``torch.library.Library`` (``ringmoe.operators``) rather than ``torch.library.custom_op``: the
+# latter wraps every call in its own Python layers (autograd and device checks, schema handling), ~40 us a call
+# measured on 2 CPU threads, per MoE layer per decode step; a kernel registered on the dispatcher is called directly
+# (the decode step never asks for gradients: no autograd formula is registered, and a backward through the operator
+# raises).  Where the C kernels are registered (``operators.c_kernels``) a layer whose panel copies are bound
+# (``MoELayer.bind_c_experts``) runs in C without entering Python; any other goes on to the kernel below.
 
 
 def _grouped_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, layer: int) -> torch.Tensor:
@@ -55,6 +57,8 @@ def _grouped_experts_shape(x, topk_idx, topk_weight, layer):
     return torch.empty_like(x)
 
 
-_LIBRARY.impl("grouped_experts", _grouped_experts, "CompositeExplicitAutograd")
-torch.library.register_fake("ringmoe::grouped_experts", _grouped_experts_shape, lib=_LIBRARY)
+for _name in ("grouped_experts", "grouped_experts_python"):
+    LIBRARY.impl(_name, _grouped_experts, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ringmoe::{_name}", _grouped_experts_shape, lib=LIBRARY)
 grouped_experts = torch.ops.ringmoe.grouped_experts.default
+bind_experts = torch.ops.ringmoe.bind_experts.default

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,8 @@ from .balance import ReplicaPlan
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
 from .expert_parallel import expert_parallel_forward
 from .experts import SharedExpert, SwiGLUExperts, activate
-from .grouped_op import grouped_experts, is_registered, register_layer
+from ..operators import c_kernels
+from .grouped_op import bind_experts, grouped_experts, is_registered, register_layer
 from .hf import layer_from_hf
 from .router import Router, Routing
 from .stats import MoEStats
@@ -175,6 +177,38 @@ class MoELayer(nn.Module):
         if not is_registered(self.op_key, self):
             self.op_key = register_layer(self)
 
+    def bind_c_experts(self) -> bool:
+        """Hand this layer's panel copies to the C kernel of ``grouped_experts`` (``ringmoe.operators``), so a
+        compiled graph runs the layer's sorted GEMMs without entering Python: where the C kernels are registered
+        and the experts have current panel copies (``SwiGLUExperts.c_binding``); otherwise any earlier binding is
+        undone (the operator's Python kernel runs the layer, checking its copies at every call).  True when bound.
+        Call outside torch.compile: the decode graph does at start-up, and again when ``c_binding_current`` says the
+        weights changed since."""
+        self.register_op()
+        binding = getattr(self.experts, "c_binding", None)
+        binding = binding() if binding is not None and c_kernels() else None
+        if binding is None:
+            if getattr(self, "_c_bound", None) is not None:
+                empty = torch.empty(0)
+                bind_experts(self.op_key, empty, empty, empty, empty, 0, -1.0, 1.0)
+            self._c_bound = None
+            return False
+        bind_experts(self.op_key, *binding)
+        if getattr(self, "_c_bound_key", None) != self.op_key:  # the key's binding released with the layer
+            weakref.finalize(self, _unbind_c_experts, self.op_key).atexit = False
+            self._c_bound_key = self.op_key
+        self._c_bound = self.experts.weights_versions()
+        return True
+
+    def c_binding_current(self) -> bool:
+        """Is this layer not bound, or bound to its experts' tensors as they are (same tensors, same versions)."""
+        bound = getattr(self, "_c_bound", None)
+        if bound is None:
+            return True
+        experts = self.experts
+        now = [t for t in (experts.gate_up, experts.down, experts.gate_up_bias, experts.down_bias) if t is not None]
+        return len(now) == len(bound) and all(t is b and t._version == v for t, (b, v) in zip(now, bound))
+
     def grouped_local(self, flat: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """The dropless sorted GEMMs of ``forward`` for a given routing: (T, H) (``grouped_op``'s body)."""
         fused = self._routed_in_one_call(flat, topk_idx, topk_weight)
@@ -301,6 +335,7 @@ class MoELayer(nn.Module):
         # last_stats holds graph tensors (aux_loss): not part of the module's state (copy, pickle)
         state = super().__getstate__()
         state["_last_stats"] = state["_recorded_counts"] = None
+        state["_c_bound"] = state["_c_bound_key"] = None  # a copy binds under its own key (``bind_c_experts``)
         return state
 
     def _stats(self, routing, plan) -> MoEStats:
@@ -315,3 +350,9 @@ class MoELayer(nn.Module):
         Qwen3MoeSparseMoeBlock or DeepseekV3MoE (fused v5 experts or v4 per-expert modules)."""
 
         return layer_from_hf(cls, block, capacity_factor)
+
+
+def _unbind_c_experts(key: int) -> None:
+    """Release the C kernel's references to a freed layer's panel copies."""
+    empty = torch.empty(0)
+    bind_experts(key, empty, empty, empty, empty, 0, -1.0, 1.0)

@@ -218,6 +218,9 @@ class DecodeGraph:
         for block in self.moe_blocks:  # the experts' operator finds these layers (not a copy's)
             block.register_op()
             block.fit_static_forms()  # the switch between the experts' forms, for the products they run now
+            block.bind_c_experts()  # their panel copies to the operator's C kernel, where it runs
+        # the fewest rows of a step that runs the experts' operator (the steps where its bindings must be current)
+        self.operator_rows = min((block.static_form_edges()[1] for block in self.moe_blocks), default=None)
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
         self.fn = compiled_step(runner.model) if compile else _decode_step
@@ -343,6 +346,10 @@ class DecodeGraph:
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
         torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
+        if self.operator_rows is not None and rows >= self.operator_rows:
+            for block in self.moe_blocks:  # weights changed since they were bound: bound anew (or unbound: stale)
+                if not block.c_binding_current():
+                    block.bind_c_experts()
         hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.kv_buffer,
                                                                    runner.kv_scales)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
