@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -252,9 +253,13 @@ static void experts_kernel(StableIValue *stack, uint64_t num_args, uint64_t num_
             entry = &bound[i];
     if (entry == NULL) {
         pthread_mutex_unlock(&bound_lock);
-        if (api.call_dispatcher(python_kernel, "", stack)) /* the stack's handles go with the call */
-            api.check(false, "ringmoe", __FILE__, __LINE__,
-                      "grouped_experts: the operator's Python kernel failed (its error is logged above)");
+        if (api.call_dispatcher(python_kernel, "", stack)) { /* the stack's handles go with the call */
+            char message[320]; /* the Python error stays behind the C shim: say where to see it */
+            snprintf(message, sizeof message, "grouped_experts: layer %lld has no C binding and the operator's "
+                     "Python kernel failed: call %s with the same arguments to see its error", (long long)key,
+                     python_kernel);
+            api.check(false, "ringmoe", __FILE__, __LINE__, message);
+        }
         return; /* stack[0]: its output */
     }
     const int64_t *x = shape(h[0]), *idx = shape(h[1]), *weight = shape(h[2]);
