@@ -15,8 +15,6 @@ key) they take the CPU calls; elsewhere (no kernel library, an older torch) the 
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from . import panel_gemm
@@ -33,7 +31,7 @@ LIBRARY.define("bind_experts(int layer, Tensor gate_up, Tensor down, Tensor gate
                "int ffn_size, float limit, float alpha) -> ()")
 
 
-@lru_cache(maxsize=1)
 def c_kernels() -> bool:
-    """Are the C kernels registered (done here on the first call; building the kernel library if needed)."""
+    """Are the C kernels registered (done on the first call, once per process; building the kernel library if
+    needed)."""
     return panel_gemm.register_torch_ops(NAMESPACE)

@@ -44,7 +44,7 @@ __all__ = ["available", "pack", "grouped_linear", "routed_experts", "RoutedExper
 
 _LOG = logging.getLogger(__name__)
 # the C sources built into one library (panel_gemm.c: the products; paged_attention.c: decode attention, used by
-# ``ringmoe.attention.paged_cpu``; torch_ops.c: the latter as a torch operator's kernel) and the header they share
+# ``ringmoe.attention.paged_cpu``; torch_ops.c: both as kernels of torch operators) and the header they share
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("panel_gemm.c", "paged_attention.c", "torch_ops.c", "simd_exp.h"))
 # -fexceptions: a torch error raised inside a kernel of torch_ops.c unwinds through its C frames

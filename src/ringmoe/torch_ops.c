@@ -193,6 +193,8 @@ static void bind_kernel(StableIValue *stack, uint64_t num_args, uint64_t num_out
         entry.tensors[i] = (AtenTensorHandle)(uintptr_t)stack[1 + i];
     bool unbind = numel(entry.tensors[0]) == 0;
     if (!unbind) {
+        if (!fits(entry.tensors[0], api.float32, 2) || !fits(entry.tensors[1], api.float32, 2))
+            fail(entry.tensors, 4, "bind_experts: the panel copies must be contiguous float32 CPU matrices");
         const int64_t *gate_up = shape(entry.tensors[0]), *down = shape(entry.tensors[1]);
         entry.experts = gate_up[0];
         entry.hidden = entry.ffn > 0 ? down[1] / entry.ffn : 0;
@@ -207,8 +209,7 @@ static void bind_kernel(StableIValue *stack, uint64_t num_args, uint64_t num_out
                               && b[1] == (i == 2 ? 2 * entry.ffn : entry.hidden);
             }
         }
-        if (!fits(entry.tensors[0], api.float32, 2) || !fits(entry.tensors[1], api.float32, 2) || entry.hidden < 1
-            || down[0] != entry.experts || down[1] != entry.hidden * entry.ffn
+        if (entry.hidden < 1 || down[0] != entry.experts || down[1] != entry.hidden * entry.ffn
             || gate_up[1] != 2 * entry.ffn * entry.hidden || !biases_fit)
             fail(entry.tensors, 4, "bind_experts: the panel copies and biases do not fit together");
     }

@@ -111,6 +111,8 @@ class MoELayer(nn.Module):
         # experts have panel copies)
         self.gathered_below, self.dense_below = GATHERED_PER_EXPERT * num_experts, DENSE_BELOW
         self.op_key = register_layer(self)  # how a compiled graph's ``grouped_experts`` finds this layer
+        # what ``bind_c_experts`` handed to the operator's C kernel (the tensors and versions), and under which key
+        self._c_bound = self._c_bound_key = None
 
     def _place_replicas(self, replicas: ReplicaPlan, capacity_factor: float | None) -> None:
         """This rank's slots under a replica plan (hot experts copied to several ranks)."""
@@ -188,13 +190,12 @@ class MoELayer(nn.Module):
         binding = getattr(self.experts, "c_binding", None)
         binding = binding() if binding is not None and c_kernels() else None
         if binding is None:
-            if getattr(self, "_c_bound", None) is not None:
-                empty = torch.empty(0)
-                bind_experts(self.op_key, empty, empty, empty, empty, 0, -1.0, 1.0)
+            if self._c_bound is not None:
+                _unbind_c_experts(self.op_key)
             self._c_bound = None
             return False
         bind_experts(self.op_key, *binding)
-        if getattr(self, "_c_bound_key", None) != self.op_key:  # the key's binding released with the layer
+        if self._c_bound_key != self.op_key:  # the key's binding released with the layer
             weakref.finalize(self, _unbind_c_experts, self.op_key).atexit = False
             self._c_bound_key = self.op_key
         self._c_bound = self.experts.weights_versions()
@@ -202,12 +203,11 @@ class MoELayer(nn.Module):
 
     def c_binding_current(self) -> bool:
         """Is this layer not bound, or bound to its experts' tensors as they are (same tensors, same versions)."""
-        bound = getattr(self, "_c_bound", None)
-        if bound is None:
+        if self._c_bound is None:
             return True
-        experts = self.experts
-        now = [t for t in (experts.gate_up, experts.down, experts.gate_up_bias, experts.down_bias) if t is not None]
-        return len(now) == len(bound) and all(t is b and t._version == v for t, (b, v) in zip(now, bound))
+        now = self.experts.weights_versions()
+        return len(now) == len(self._c_bound) and all(
+            t is b and version == bound_version for (t, version), (b, bound_version) in zip(now, self._c_bound))
 
     def grouped_local(self, flat: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """The dropless sorted GEMMs of ``forward`` for a given routing: (T, H) (``grouped_op``'s body)."""
