@@ -158,8 +158,8 @@ LOGITS = "logits"  # a graph step that applied the LM head reports its ``HeadOut
 
 
 class HeadOutput(NamedTuple):
-    """The LM head's part of a graph step that applied it (a batch of one, or any step of an engine that
-    speculates): every row's logits (rows, vocab) float32 and the greedy choice the graph made per row: the first
+    """The LM head's part of a graph step that applied it (a batch of one, or a step that carries drafts: the band
+    past one row): every row's logits (rows, vocab) float32 and the greedy choice the graph made per row: the first
     index of the row's largest logit and that logit's log-probability (NaN where the row holds a NaN or +inf, or
     only -inf: no choice); ``spans``: per request id, its item's first row and row count (a token and its drafts)."""
 
