@@ -3,7 +3,8 @@
 Layers, low to high: root utilities (batch_invariant, resources, jsonio) < attention | quant < parallel < moe < model
 < text < serve | train | sim (one floor: none imports another) < apps < cli.  Root utilities import none another
 but for the pairs ``UTILITY_EDGES`` names (prepacked sits below batch_invariant, whose ``linear`` uses its
-copies, and panel_gemm below prepacked, which packs stacks of matrices for its kernel).  No module imports one that imports it (cycles, function-local imports included), and no function
+copies, panel_gemm below prepacked, which packs matrices for its kernel, and operators below prepacked, which
+registers the Python kernel of the operator its products call).  No module imports one that imports it (cycles, function-local imports included), and no function
 hides an import of the package inside itself, except where laziness is the point: the CLI loads a command's job
 only when it runs, and the Triton kernels load only when asked for (the package imports without Triton).
 """
@@ -19,7 +20,7 @@ ROOT = Path(ringmoe.__file__).resolve().parent
 LAYERS = {"attention": 1, "quant": 1, "parallel": 2, "moe": 3, "model": 4, "text": 5, "serve": 6, "train": 6, "sim": 6,
           "apps": 7, "cli": 8}
 UTILITY_EDGES = {("ringmoe.batch_invariant", "ringmoe.prepacked"), ("ringmoe.prepacked", "ringmoe.panel_gemm"),
-                 ("ringmoe.operators", "ringmoe.panel_gemm")}
+                 ("ringmoe.operators", "ringmoe.panel_gemm"), ("ringmoe.prepacked", "ringmoe.operators")}
 LAZY_ALLOWED = {"ringmoe.cli": None,                                                # every command's job
                 "ringmoe.attention.kernels": {"ringmoe.attention.triton_flash"},     # optional Triton
                 "ringmoe.attention.paged": {"ringmoe.attention.triton_flash", "ringmoe.attention.triton_paged"},

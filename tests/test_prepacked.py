@@ -1,5 +1,7 @@
-"""oneDNN-prepacked weights (``ringmoe.prepacked``): the same products as the plain weights, used only where they
-apply (float32 CPU, no gradient, not traced, weights unchanged since packing), for linears and grouped experts."""
+"""Prepacked weights (``ringmoe.prepacked``): panel copies (``panel_gemm``) or oneDNN copies, the same products as
+the plain weights, used only where they apply (float32 CPU, no gradient, not traced, weights unchanged since
+packing), for linears and grouped experts; ``ringmoe::panel_linear``'s C kernel; the panels a compiled decode step
+reads through its modules (``DecodePanels``)."""
 
 import copy
 import gc
@@ -8,13 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringmoe import panel_gemm, prepacked
+from ringmoe import operators, panel_gemm, prepacked
 from ringmoe.batch_invariant import InvariantLinear, batch_invariant, linear
 from ringmoe.moe.experts import SwiGLUExperts
-from ringmoe.prepacked import (packed, packed_linear, packed_panels, prepack, prepack_module, prepack_supported,
-                               prepacked_bytes)
+from ringmoe.moe.router import Router
+from ringmoe.prepacked import (DecodePanels, packed, packed_linear, packed_panels, panel_copy, panel_linear, prepack,
+                               prepack_module, prepack_supported, prepacked_bytes)
 
-pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)),
+                                reason="neither panel_gemm nor torch's oneDNN runs here")
+
+OPERATOR = torch.ops.ringmoe.panel_linear.default
+PANELS = panel_gemm.available()  # (asked here: torch.compile does not trace the question)
 
 
 def _float32_error_bound(x64, w64, b64, out):
@@ -24,26 +31,70 @@ def _float32_error_bound(x64, w64, b64, out):
     return (out.double() - ref).abs().max().item(), 2 * (plain - ref).abs().max().item() + 1e-12
 
 
+def _matrix_copy(weight: torch.Tensor, x: torch.Tensor):
+    """The copy of a matrix a product of x may use: its panels where ``panel_gemm`` runs, else its oneDNN copy."""
+    return packed_panels(weight, x) if PANELS else packed(weight, x)
+
+
+@pytest.mark.parametrize("copy", ["panels", "onednn"])
 @pytest.mark.parametrize("rows, out_features, in_features, bias", [(1, 37, 19, False), (5, 64, 33, True),
                                                                   (8, 130, 256, False), (33, 7, 5, True)])
-def test_packed_linear_matches_float64_like_plain_float32(rows, out_features, in_features, bias):
+def test_packed_linear_matches_float64_like_plain_float32(rows, out_features, in_features, bias, copy, monkeypatch):
+    """A matrix is packed as panels where ``panel_gemm`` runs (multiplied by ``ringmoe::panel_linear``), else as a
+    oneDNN copy: both within twice plain float32's error of the float64 product, for 2-D, 3-D and strided x."""
+    if copy == "panels" and not panel_gemm.available():
+        pytest.skip("panel_gemm does not run here (needs x86-64 with AVX2 and a C compiler)")
+    if copy == "onednn":
+        monkeypatch.setattr(panel_gemm, "available", lambda: False)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     w64 = torch.randn(out_features, in_features, generator=gen, dtype=torch.float64)
     x64 = torch.randn(rows, in_features, generator=gen, dtype=torch.float64)
     b64 = torch.randn(out_features, generator=gen, dtype=torch.float64) if bias else None
     weight = w64.float()
     assert prepack(weight) == weight.numel() * 4
-    matrices = packed(weight, x64.float())
-    assert matrices is not None and len(matrices) == 1
-    out = packed_linear(x64.float(), matrices[0], None if b64 is None else b64.float())
+    if copy == "panels":
+        panels = packed_panels(weight, x64.float())
+        assert panels.shape == weight.shape and packed(weight, x64.float()) is None and panels._base is None
+
+        def product(x, b=None):
+            return panel_linear(x, panels, b)
+    else:
+        matrices = packed(weight, x64.float())
+        assert matrices is not None and len(matrices) == 1 and packed_panels(weight, x64.float()) is None
+
+        def product(x, b=None):
+            return packed_linear(x, matrices[0], b)
+    out = product(x64.float(), None if b64 is None else b64.float())
     assert out.shape == (rows, out_features)
     error, bound = _float32_error_bound(x64, w64, b64, out)
     assert error <= bound, (error, bound)
     # a 3-D input and a transposed (non-contiguous) one
     x3 = x64.float().reshape(1, rows, in_features)
-    torch.testing.assert_close(packed_linear(x3, matrices[0])[0], F.linear(x64.float(), weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(product(x3)[0], F.linear(x64.float(), weight), rtol=1e-5, atol=1e-5)
     xt = x64.float().t().contiguous().t()
-    torch.testing.assert_close(packed_linear(xt, matrices[0]), F.linear(xt, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(product(xt), F.linear(xt, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (panel_gemm.available() and operators.c_kernels()),
+                    reason="needs the kernel library and torch's C shim")
+def test_panel_linear_runs_in_c_bit_equal_to_its_python_kernel_and_refuses_what_does_not_fit():
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(70, 45, generator=gen)  # panels of 16 columns and a last one of 6
+    prepack(weight)
+    panels = panel_copy(weight)
+    for rows in (0, 1, 6, 13):
+        x = torch.randn(rows, 45, generator=gen)
+        before = (x._use_count(), panels._use_count())
+        got = OPERATOR(x, panels)
+        assert (x._use_count(), panels._use_count()) == before  # the kernel released its inputs
+        torch.testing.assert_close(got, prepacked._panel_linear_python(x, panels), rtol=0, atol=0)
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 45, generator=gen)
+    for bad in (x[:, :44], x.t().contiguous().t()[:, :44], x.double(), x[None]):
+        before = (bad._use_count(), panels._use_count())
+        with pytest.raises(RuntimeError, match="panel_linear: x"):
+            OPERATOR(bad, panels)
+        assert (bad._use_count(), panels._use_count()) == before  # released after the error too
 
 
 def test_packed_copy_is_used_only_where_it_gives_the_plain_product():
@@ -52,33 +103,88 @@ def test_packed_copy_is_used_only_where_it_gives_the_plain_product():
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 24, generator=gen))
     x = torch.randn(6, 24, generator=gen)
-    assert packed(layer.weight, x) is None  # not packed yet
+    assert _matrix_copy(layer.weight, x) is None  # not packed yet
     assert prepack_module(layer) == 40 * 24 * 4 and prepacked_bytes(layer.weight) == 40 * 24 * 4
-    assert packed(layer.weight, x) is None  # a product with a gradient keeps the plain weight
+    assert _matrix_copy(layer.weight, x) is None  # a product with a gradient keeps the plain weight
     with torch.no_grad():
-        assert packed(layer.weight, x) is not None
-        assert packed(layer.weight, x.double()) is None  # another dtype
+        assert _matrix_copy(layer.weight, x) is not None
+        assert _matrix_copy(layer.weight, x.double()) is None  # another dtype
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         with batch_invariant():  # the deterministic mode's fixed tiles, not the packed copy
             assert torch.equal(layer(x), linear(x, layer.weight, layer.bias))
         layer.weight.add_(1.0)  # changed after packing: the copy is stale and never used
-        assert packed(layer.weight, x) is None
+        assert _matrix_copy(layer.weight, x) is None
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
         prepack(layer.weight)
         layer.weight.data = layer.weight.data.clone()  # moved (as module.to(...) does): stale too
-        assert packed(layer.weight, x) is None
+        assert _matrix_copy(layer.weight, x) is None
     # traced by torch.compile: the plain product (the table is never consulted inside a graph)
     prepack(layer.weight)
     seen = []
 
     @torch.compile(backend="eager", fullgraph=True)
     def traced(t):
-        seen.append(packed(layer.weight, t))
+        seen.append(_matrix_copy(layer.weight, t))
         return layer(t)
 
     with torch.no_grad():
         torch.testing.assert_close(traced(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert seen == [None]
+
+
+def _traced_ops(fn, *args) -> tuple[torch.Tensor, list[str]]:
+    """fn(*args) compiled (no inductor: the traced graph run as it is) and the functions its graph calls."""
+    calls = []
+
+    def backend(graph, inputs):
+        calls.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)(*args), calls
+
+
+@pytest.mark.skipif(not panel_gemm.available(), reason="needs x86-64 with AVX2 and a C compiler")
+def test_decode_panels_reach_traced_products_and_follow_their_weights():
+    """``DecodePanels`` hands a module's panel copy to its traced forward (the graph multiplies by
+    ``ringmoe::panel_linear``, the weight itself unread), packs again, into the same tensor, a weight changed in
+    place, takes a replaced parameter's new panels, and leaves products with a gradient and eager ones alone."""
+    gen = torch.Generator().manual_seed(8)
+    layer, router = InvariantLinear(24, 40), Router(24, 6, 2)
+    model = torch.nn.ModuleList([layer, router])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(5, 24, generator=gen)
+    prepack_module(model)
+    panels = DecodePanels(model)
+    assert panels.count == 2 and layer.decode_panels is panel_copy(layer.weight)
+    assert router.decode_panels is panel_copy(router.weight)
+
+    def step(t):
+        return layer(t), router(t).logits
+
+    with torch.no_grad():
+        (out, logits), calls = _traced_ops(step, x)
+        assert calls.count("ringmoe.panel_linear.default") == 2 and "<built-in function linear>" not in calls
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, F.linear(x, router.weight), rtol=1e-5, atol=1e-5)
+        held = layer.decode_panels
+        layer.weight.mul_(-2.0)  # in place: packed again into the tensor the graph holds
+        panels.refresh()
+        assert layer.decode_panels is held
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        traced = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+        torch.testing.assert_close(traced(x)[0], F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        router.weight = torch.nn.Parameter(router.weight.detach() + 1.0, requires_grad=False)  # a new parameter
+        panels.refresh()
+        assert router.decode_panels is panel_copy(router.weight)
+        torch.testing.assert_close(traced(x)[1], F.linear(x, router.weight), rtol=1e-5, atol=1e-5)
+    # a product that wants a gradient keeps the plain weight (the operator has no backward)
+    _, calls = _traced_ops(lambda t: layer(t), x.requires_grad_())
+    assert "ringmoe.panel_linear.default" not in calls
+    clone = copy.deepcopy(layer)  # a copy's weights are new tensors: no panels carried over
+    assert clone.decode_panels is None and layer.decode_panels is not None
 
 
 def test_copies_stay_out_of_modules_and_leave_with_their_weight():

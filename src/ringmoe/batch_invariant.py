@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .prepacked import packed, packed_linear
+from .prepacked import module_state, packed, packed_linear, packed_panels, panel_linear, traced_panels
 
 __all__ = ["batch_invariant", "tile_rows", "linear", "rowwise", "InvariantLinear"]
 
@@ -44,10 +44,17 @@ def tile_rows() -> int | None:
     return None if torch.compiler.is_compiling() else _ROWS.get()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in).T (+ bias), batch-invariant inside ``batch_invariant``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           panels: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in).T (+ bias), batch-invariant inside ``batch_invariant``.  panels: the weight's
+    panel copy its module holds for a compiled decode step (``prepacked.DecodePanels``), used in traced code."""
+    if traced_panels(panels, x):
+        return panel_linear(x, panels, bias)
     rows = tile_rows()
     if rows is None:
+        copy = packed_panels(weight, x) if weight.dim() == 2 else None
+        if copy is not None:
+            return panel_linear(x, copy, bias)
         # one row by a weight stored input-major (the CPU engine's LM head): MKL's gemv streams it as fast
         one_row = x.numel() == x.shape[-1] and weight.stride(0) == 1
         matrices = None if one_row else packed(weight, x)
@@ -85,8 +92,13 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
 class InvariantLinear(nn.Linear):
     """nn.Linear whose product is batch-invariant inside ``batch_invariant`` (same parameters and names)."""
 
+    decode_panels: torch.Tensor | None = None  # the weight's panel copy for a compiled decode step (``prepacked``)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.decode_panels)
+
+    def __getstate__(self) -> dict:
+        return module_state(self)
 
     def prepack_weights(self) -> tuple[torch.Tensor, ...]:
         """The weights ``prepacked.prepack_module`` may pack (``linear`` uses the copy where it applies)."""

@@ -6,6 +6,8 @@ compiled graph calls without entering Python.
 - ``grouped_experts``: a MoE layer's dropless routed part, the layer named by its key (Python kernel:
   ``moe.grouped_op``); its C kernel runs a layer whose panel copies were bound, any other through
   ``grouped_experts_python`` (the same Python kernel under a second name, which the C kernel calls);
+- ``panel_linear``: a product by a weight's panel copy (Python kernel: ``prepacked``), the CPU products of the
+  float32 projections eagerly and in a compiled decode step;
 - ``bind_experts``: C only: gives ``grouped_experts``'s C kernel a layer's panel copies, biases and activation
   (``MoELayer.bind_c_experts``); empty panels unbind the layer.
 
@@ -25,6 +27,7 @@ NAMESPACE = "ringmoe"
 LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 LIBRARY.define("paged_cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor first, "
                "Tensor last, float scale) -> (Tensor, Tensor)")
+LIBRARY.define("panel_linear(Tensor x, Tensor panels) -> Tensor")
 LIBRARY.define("grouped_experts(Tensor x, Tensor topk_idx, Tensor topk_weight, int layer) -> Tensor")
 LIBRARY.define("grouped_experts_python(Tensor x, Tensor topk_idx, Tensor topk_weight, int layer) -> Tensor")
 LIBRARY.define("bind_experts(int layer, Tensor gate_up, Tensor down, Tensor gate_up_bias, Tensor down_bias, "

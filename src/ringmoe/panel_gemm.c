@@ -20,6 +20,7 @@
 #define PW 16      /* columns per panel */
 #define KB 64      /* terms of the sum over k added in registers before they join the output */
 #define CHUNK 4    /* panels per work item */
+#define PARALLEL_MIN (1 << 17)  /* multiply-adds of a product worth more than one thread */
 
 /* The 16 (or nc < 16) columns of a panel row; masked loads past the edge panel's nc columns read nothing. */
 static inline __m256i lanes_below(int n) {
@@ -129,7 +130,9 @@ int panel_grouped(const float *x, const int64_t *offsets, int64_t G, const float
     for (int64_t g = 0; g < G; g++)
         if (offsets[g + 1] > offsets[g]) active[used++] = g;
     int64_t items = used * per;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (items > 1 && threads > 1)
+    /* a product too small to pay for waking the other threads (~1-3 us) runs on this one */
+    int parallel = items > 1 && threads > 1 && (offsets[G] - offsets[0]) * N * K >= PARALLEL_MIN;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t it = 0; it < items; it++) {
         int64_t g = active[it / per], q0 = (it % per) * CHUNK;
         int64_t q1 = q0 + CHUNK < panel_count ? q0 + CHUNK : panel_count;

@@ -1,6 +1,6 @@
 /* ringmoe's C kernels as torch operators that run without Python: the CPU kernels of
  * ``ringmoe::paged_cached_attention`` and ``ringmoe::grouped_experts`` registered on torch's dispatcher through
- * libtorch's stable C shim.
+ * libtorch's stable C shim, and ``ringmoe::panel_linear``, a product by a weight's panel copy.
  *
  * An operator whose kernel is a Python function costs, called from a compiled graph, the dispatcher's way into
  * Python and the function's own checks: ~25-50 us a call on 2 CPU threads, per layer per decode step.  libtorch
@@ -62,6 +62,9 @@ int paged_cached_attention(const float *q, int64_t n, int64_t heads, int64_t D, 
                            const float *v_cache, int64_t blocks, int64_t bs, int64_t kv_heads, const int64_t *tables,
                            int64_t width, const int64_t *first, const int64_t *last, float scale, float *out,
                            float *lse, int threads);
+
+int panel_grouped(const float *x, const int64_t *offsets, int64_t G, const float *packed, int64_t N, int64_t K,
+                  float *y, int threads);
 
 int panel_moe(const float *x, int64_t T, int64_t H, const int64_t *topk_idx, const float *topk_weight, int64_t k,
               int64_t E, const float *gate_up, const float *gate_up_bias, const float *down, const float *down_bias,
@@ -152,6 +155,24 @@ static void attention_kernel(StableIValue *stack, uint64_t num_args, uint64_t nu
         api.delete_tensor(h[i]);
     stack[0] = (StableIValue)(uintptr_t)h[6];
     stack[1] = (StableIValue)(uintptr_t)h[7];
+}
+
+/* panel_linear(Tensor x, Tensor panels) -> Tensor: x (T, K) float32 times the weight W (N, K) whose panel copy
+ * (``panel_gemm.pack``) ``panels`` holds in a tensor of W's shape: (T, N) = x @ W.T (``prepacked.panel_linear``). */
+static void linear_kernel(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
+    (void)num_args, (void)num_outputs;
+    AtenTensorHandle h[3] = {(AtenTensorHandle)(uintptr_t)stack[0], (AtenTensorHandle)(uintptr_t)stack[1], NULL};
+    if (!fits(h[0], api.float32, 2) || !fits(h[1], api.float32, 2) || shape(h[0])[1] != shape(h[1])[1])
+        fail(h, 3, "panel_linear: x (T, K) and panels (N, K) must be contiguous float32 CPU matrices of one K");
+    const int64_t *x = shape(h[0]), *w = shape(h[1]);
+    int64_t out_sizes[2] = {x[0], w[0]}, offsets[2] = {0, x[0]};
+    h[2] = empty(2, out_sizes);
+    if (h[2] == NULL || (x[0] > 0 && panel_grouped(data(h[0]), offsets, 1, data(h[1]), w[0], w[1], data(h[2]),
+                                                   threads_now()) != 0))
+        fail(h, 3, "panel_linear: out of memory");
+    api.delete_tensor(h[0]);
+    api.delete_tensor(h[1]);
+    stack[0] = (StableIValue)(uintptr_t)h[2];
 }
 
 /* A MoE layer's experts as ``bind_experts`` gave them: panel copies gate_up (E, 2F * H), down (E, H * F) float32,
@@ -302,6 +323,7 @@ int ringmoe_register_torch_ops(const struct torch_api *functions, const char *ns
     strcpy(python_kernel, ns);
     strcat(python_kernel, "::grouped_experts_python");
     if (api.library_impl(lib, "paged_cached_attention", attention_kernel)
+        || api.library_impl(lib, "panel_linear", linear_kernel)
         || api.library_impl(lib, "bind_experts", bind_kernel)
         || api.library_impl(lib, "grouped_experts", experts_kernel))
         return -1;

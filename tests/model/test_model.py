@@ -7,7 +7,7 @@ import torch
 
 from ringmoe.model import ModelConfig, MoETransformer, preset
 from ringmoe.serve import generate
-from ringmoe.model.rope import apply_rope, rope_tables
+from ringmoe.model.rope import apply_rope, attention_factor, inv_freq, rope_tables
 
 
 def test_presets_have_the_published_parameter_counts():
@@ -40,6 +40,22 @@ def test_rope_is_a_rotation_that_depends_only_on_relative_position():
     assert torch.allclose(score(7, 3), score(104, 100), atol=1e-5)
     cos, sin = rope_tables(torch.tensor([5]), 16, 10000.0, torch.float64)
     assert torch.allclose(apply_rope(q, cos, sin).norm(dim=-1), q.norm(dim=-1))
+
+
+@pytest.mark.parametrize("scaling", [{}, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                      "mscale": 1.0, "mscale_all_dim": 0.5},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_tables_from_frequencies_computed_before_are_the_same(scaling):
+    """A compiled decode step passes the frequencies in (``rope_frequencies``): the same tables, YaRN's factor too."""
+    positions = torch.tensor([0, 3, 17, 500, 70001])
+    freqs, factor = inv_freq(24, 1e4, scaling)
+    assert factor == attention_factor(scaling) and (factor != 1.0) == (scaling.get("rope_type") == "yarn")
+    for got, want in zip(rope_tables(positions, 24, 1e4, torch.float32, scaling, freqs=freqs),
+                         rope_tables(positions, 24, 1e4, torch.float32, scaling)):
+        assert torch.equal(got, want) and not torch.equal(got, torch.zeros_like(got))
 
 
 def test_model_is_causal_and_generate_continues_its_own_argmax():

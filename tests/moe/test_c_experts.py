@@ -101,7 +101,8 @@ def test_an_unbound_or_changed_layer_takes_the_python_kernel_and_the_panels_are_
 
 def test_a_compiled_decode_step_runs_the_bound_experts_in_c():
     """The decode graph binds its MoE layers at start-up; its steps of the sorted-GEMM form call the C kernel
-    (no Python kernel runs under the profiler) and give the eager engine's greedy tokens."""
+    (no Python kernel runs under the profiler), its products go through the panel copies (no MKL product in the
+    graph), and they give the eager engine's greedy tokens."""
     from torch.profiler import profile
 
     from ringmoe.model import MoETransformer, preset
@@ -120,4 +121,6 @@ def test_a_compiled_decode_step_runs_the_bound_experts_in_c():
         compiled = engine.generate(prompts, params)
     names = {event.name for event in prof.events()}
     assert "ringmoe::grouped_experts" in names and "ringmoe::grouped_experts_python" not in names
+    # the projections, the routers and the LM head multiply by their panel copies (``prepacked.DecodePanels``)
+    assert "ringmoe::panel_linear" in names and not any(name.startswith("aoti_torch_cpu_mm") for name in names)
     assert [o.output_ids for o in compiled] == [o.output_ids for o in eager]

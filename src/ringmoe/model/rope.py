@@ -22,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["check_rope_scaling", "inv_freq", "rope_tables", "apply_rope"]
+__all__ = ["check_rope_scaling", "inv_freq", "attention_factor", "rope_tables", "apply_rope"]
 
 _TYPES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                             "original_max_position_embeddings"),
@@ -66,11 +66,6 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=No
         medium = ~(wavelength < original / high) * ~(wavelength > original / low)
         return torch.where(medium, blended, scaled), 1.0
     # yarn
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = (_mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all
-                            else _mscale(factor))
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations):
@@ -85,16 +80,32 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=No
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
     keep = 1 - ramp                                   # 1: the original frequency, 0: interpolated
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(attention_factor)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, attention_factor(scaling)
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """The factor of cos and sin: YaRN's (the ``attention_factor`` given, else from its mscale terms), else 1."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "yarn":
+        return 1.0
+    factor, given = float(scaling["factor"]), scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor)
 
 
 def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (S, head_dim) for integer positions pos (S,), both halves of a head turning together."""
-    freqs, attention_factor = inv_freq(head_dim, theta, scaling, pos.device)
+                scaling: dict | None = None, freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (S, head_dim) for integer positions pos (S,), both halves of a head turning together.  freqs:
+    ``inv_freq``'s (head_dim / 2,) for these arguments, computed before (a compiled decode step takes them as an
+    input: traced, theta's powers are computed again for every element of every kernel that reads the tables)."""
+    factor = attention_factor(scaling)
+    if freqs is None:
+        freqs, factor = inv_freq(head_dim, theta, scaling, pos.device)
     angles = pos.float()[:, None] * freqs[None, :]
     angles = torch.cat([angles, angles], dim=-1)
-    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .decoder_layer import Attention, DecoderLayer
 from .mtp import MultiTokenPredictor
 from .norms import RMSNorm
-from .rope import rope_tables
+from .rope import inv_freq, rope_tables
 
 __all__ = ["MoETransformer", "Attention", "DecoderLayer"]
 
@@ -155,14 +155,15 @@ class MoETransformer(nn.Module):
         return self.mesh.size == 1 and not self.config.mla and all(
             layer.mlp.static_ready for _, layer in self.moe_layers())
 
-    def hidden_states_static(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                             attention: AttentionBackend) -> tuple[torch.Tensor, list]:
+    def hidden_states_static(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                             rope_freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
         """``hidden_states`` of one packed row in fixed-shape ops, with no host synchronisation (no checks,
         no shape that depends on the data): what torch.compile traces into one graph for a decode step.
 
-        input_ids, positions (T,) int64 -> (hidden (T, hidden), the routing of every MoE layer, in order)."""
+        input_ids, positions (T,) int64; rope_freqs: ``rope_frequencies()`` computed before, or None -> (hidden
+        (T, hidden), the routing of every MoE layer, in order)."""
         x = self.embed_tokens(input_ids)[None]
-        cos, sin = self._rope_tables(positions, x.dtype)
+        cos, sin = self._rope_tables(positions, x.dtype, rope_freqs)
         routings = []
         for layer in self.layers:
             x, routing = layer.forward_static(x, cos, sin, attention)
@@ -185,10 +186,16 @@ class MoETransformer(nn.Module):
         cos, sin = self._rope_tables(positions, embedded.dtype)
         return module.predict(previous, embedded, cos, sin, attention)
 
-    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin at ``positions`` (MLA: over the RoPE part of the heads)."""
+    def rope_frequencies(self, device: torch.device | None = None) -> torch.Tensor:
+        """RoPE's frequencies (rope dim / 2,) float32 (``rope.inv_freq``; MLA: of the RoPE part of the heads)."""
         rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
-        return rope_tables(positions, rope_dim, self.config.rope_theta, dtype, dict(self.config.rope_scaling))
+        return inv_freq(rope_dim, self.config.rope_theta, dict(self.config.rope_scaling), device)[0]
+
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype,
+                     freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at ``positions`` (MLA: over the RoPE part of the heads); freqs: ``rope_frequencies``."""
+        rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim
+        return rope_tables(positions, rope_dim, self.config.rope_theta, dtype, dict(self.config.rope_scaling), freqs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: AttentionBackend | None = None, ring_stats: RingStats | None = None) -> torch.Tensor:

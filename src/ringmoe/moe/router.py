@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..batch_invariant import linear, rowwise
+from ..prepacked import module_state
 
 __all__ = ["Router", "Routing", "ROUTERS", "load_balancing_loss", "router_z_loss", "update_correction_bias"]
 
@@ -62,6 +63,8 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 class Router(nn.Module):
     """Linear gate (E, H) (plus a bias (E,) with ``bias``) and the top-k rule of ``kind``.  forward(x (T, H)) -> Routing."""
 
+    decode_panels: torch.Tensor | None = None  # the gate's panel copy for a compiled decode step (``prepacked``)
+
     def __init__(
         self,
         hidden_size: int,
@@ -93,9 +96,16 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         self.register_buffer("correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
+    def prepack_weights(self) -> tuple[torch.Tensor, ...]:
+        """The gate ``prepacked.prepack_module`` may pack (``linear`` uses the copy where it applies)."""
+        return (self.weight,)
+
+    def __getstate__(self) -> dict:
+        return module_state(self)
+
     def forward(self, x: torch.Tensor) -> Routing:
         dtype = torch.promote_types(x.dtype, torch.float32)  # float32 at least, float64 stays
-        logits = linear(x.to(dtype), self.weight.to(dtype))
+        logits = linear(x.to(dtype), self.weight.to(dtype), panels=self.decode_panels)
         if self.bias is not None:
             logits = logits + self.bias.to(dtype)
         if self.kind == "topk_softmax":

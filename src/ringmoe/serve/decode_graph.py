@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from ..attention.paged import paged_decode
 from ..float8 import decode_e4m3, encode_e4m3
+from ..prepacked import DecodePanels
 
 __all__ = ["DecodeGraph", "HeadOutput", "LOGITS", "bucket"]
 
@@ -179,20 +180,20 @@ class HeadOutput(NamedTuple):
 IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
 
 
-def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales):
+def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
     real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
     (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
-    head dim).  -> (hidden (B, hidden); for a batch of one or a band of more than one row (the module's docstring
-    says why) logits (B, vocab) float32, each row's greedy token (B,) int64 and its log-probability (B,) float32
-    (``HeadOutput``), else three None; the MoE layers' expert counts over the real rows (moe layers, experts)
+    head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); for a batch of one or a band
+    of more than one row (the module's docstring says why) logits (B, vocab) float32, each row's greedy token (B,)
+    int64 and its log-probability (B,) float32 (``HeadOutput``), else three None; the MoE layers' expert counts over the real rows (moe layers, experts)
     int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads,
     head dim)).  Few outputs, each a whole tensor: the caller pays host time per tensor a compiled graph returns
     (the 26 outputs this step had, routings and K/V apart, cost ~10% of a batch-1 step)."""
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
-    hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention)
+    hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention, rope_freqs)
     logits = tokens = logprobs = None
     # (torch.compile specialises a batch of one, and the band is marked static: constants of each graph)
     if meta.shape[1] == 1 or fresh.shape[1] > 1:
@@ -221,6 +222,10 @@ class DecodeGraph:
             block.bind_c_experts()  # their panel copies to the operator's C kernel, where it runs
         # the fewest rows of a step that runs the experts' operator (the steps where its bindings must be current)
         self.operator_rows = min((block.static_form_edges()[1] for block in self.moe_blocks), default=None)
+        # the projections' panel copies, which the compiled step multiplies by (``prepacked.DecodePanels``)
+        self.panels = DecodePanels(runner.model) if compile else None
+        self.rope_freqs = runner.model.rope_frequencies(runner.device)  # an input of every step: computed once
+        torch._dynamo.mark_static(self.rope_freqs)
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
         self.fn = compiled_step(runner.model) if compile else _decode_step
@@ -280,7 +285,8 @@ class DecodeGraph:
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
         torch._dynamo.mark_static(meta, 0)
-        self.fn(runner.model, meta, tables, self._fresh(list(range(rows)), band), runner.kv_buffer, runner.kv_scales)
+        self.fn(runner.model, meta, tables, self._fresh(list(range(rows)), band), runner.kv_buffer, runner.kv_scales,
+                self.rope_freqs)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -346,12 +352,14 @@ class DecodeGraph:
         meta = meta.to(runner.device)
         tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
         torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
+        if self.panels is not None:
+            self.panels.refresh()  # weights changed since they were packed: packed again
         if self.operator_rows is not None and rows >= self.operator_rows:
             for block in self.moe_blocks:  # weights changed since they were bound: bound anew (or unbound: stale)
                 if not block.c_binding_current():
                     block.bind_c_experts()
         hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.kv_buffer,
-                                                                   runner.kv_scales)
+                                                                   runner.kv_scales, self.rope_freqs)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         buffer = runner.kv_buffer
