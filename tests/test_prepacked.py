@@ -132,6 +132,27 @@ def test_packed_copy_is_used_only_where_it_gives_the_plain_product():
     assert seen == [None]
 
 
+@pytest.mark.skipif(not (panel_gemm.available() and operators.c_kernels()),
+                    reason="needs the kernel library and torch's C shim")
+def test_eager_products_take_the_panels_of_larger_matrices_at_few_rows():
+    """Eagerly a product goes through the panel copy where that pays (a matrix of 32K values or more, 64 rows at
+    most: ``batch_invariant._PANEL_ROWS``), else MKL's product of the plain weight: the same values either way."""
+    from torch.profiler import profile
+
+    gen = torch.Generator().manual_seed(12)
+    large, small = InvariantLinear(256, 160), InvariantLinear(64, 48)
+    with torch.no_grad():
+        for layer in (large, small):
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+            prepack_module(layer)
+        for layer, rows, panels in ((large, 5, True), (large, 64, True), (large, 65, False), (small, 5, False)):
+            x = torch.randn(rows, layer.in_features, generator=gen)
+            with profile() as prof:
+                out = layer(x)
+            assert ("ringmoe::panel_linear" in {event.name for event in prof.events()}) == panels
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def _traced_ops(fn, *args) -> tuple[torch.Tensor, list[str]]:
     """fn(*args) compiled (no inductor: the traced graph run as it is) and the functions its graph calls."""
     calls = []

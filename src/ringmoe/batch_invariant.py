@@ -44,6 +44,13 @@ def tile_rows() -> int | None:
     return None if torch.compiler.is_compiling() else _ROWS.get()
 
 
+# An eager product goes through a matrix's panel copy when it has at most this many rows and the matrix at least this
+# many values: called from Python (~6 us of wrapper and dispatch) the copy is 1.1-3.6x faster than MKL's product of
+# the plain weight at 2-32 rows for matrices from 128 x 256 up, slower below that size or from ~128 rows on
+# (``benchmarks/bench_products.py``; inside a compiled graph, whose C++ calls the operator directly, it always pays)
+_PANEL_ROWS, _PANEL_VALUES = 64, 1 << 15
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            panels: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T (+ bias), batch-invariant inside ``batch_invariant``.  panels: the weight's
@@ -53,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = tile_rows()
     if rows is None:
         copy = packed_panels(weight, x) if weight.dim() == 2 else None
-        if copy is not None:
+        if copy is not None and x.numel() <= _PANEL_ROWS * x.shape[-1] and weight.numel() >= _PANEL_VALUES:
             return panel_linear(x, copy, bias)
         # one row by a weight stored input-major (the CPU engine's LM head): MKL's gemv streams it as fast
         one_row = x.numel() == x.shape[-1] and weight.stride(0) == 1
