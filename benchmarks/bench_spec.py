@@ -9,7 +9,7 @@ At concurrency c: max(4, 3c) requests, c running at once (max_num_seqs = c: a fi
 by the next, so the load stays at c while any wait, as under a server's steady load; with only c requests a
 request that speculation finishes early leaves the others to run on with fewer rows, and the run lasts as long as
 the one whose drafts fail), on the offline engine; each engine
-runs them three times, taking turns with the other engines of its concurrency; the median run is kept.
+runs them five times, taking turns with the other engines of its concurrency; the median run is kept.
 Each concurrency runs six engines: eager / compiled decode graph, each without drafts, with
 ``{"method": "ngram", "num_speculative_tokens": K}`` (every draft proposed is verified; steps without drafts use the
 compiled graph too) and with ``"draft_length": "goodput"`` added (each step keeps the drafts that raise its expected
@@ -50,7 +50,7 @@ from ringmoe.text.corpus import split_corpus, stdlib_texts  # noqa: E402
 # prompt and the 64 new tokens inside the 256-token sequences the demo models were trained on (past them these small
 # models lose the thread: with 400-token prompts the n-gram drafts' first-token acceptance fell to 31%)
 PROMPT_TOKENS = DEMO_TRAINING["seqlen"] - 64
-REPEATS = 3  # timed runs of each engine (the median is kept)
+REPEATS = 5  # timed runs of each engine (the median is kept)
 
 
 def prompts(tokenizer, count: int, held_out: bool = False) -> list[list[int]]:

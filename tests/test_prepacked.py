@@ -135,17 +135,19 @@ def test_packed_copy_is_used_only_where_it_gives_the_plain_product():
 @pytest.mark.skipif(not (panel_gemm.available() and operators.c_kernels()),
                     reason="needs the kernel library and torch's C shim")
 def test_eager_products_take_the_panels_of_larger_matrices_at_few_rows():
-    """Eagerly a product goes through the panel copy where that pays (a matrix of 32K values or more, 64 rows at
-    most: ``batch_invariant._PANEL_ROWS``), else MKL's product of the plain weight: the same values either way."""
+    """Eagerly a product goes through the panel copy where that pays (a matrix of 32K values or more at 2-64 rows,
+    of 256K values or more at one row: ``batch_invariant._PANEL_VALUES``), else MKL's product of the plain weight:
+    the same values either way."""
     from torch.profiler import profile
 
     gen = torch.Generator().manual_seed(12)
-    large, small = InvariantLinear(256, 160), InvariantLinear(64, 48)
+    head, large, small = InvariantLinear(128, 2048), InvariantLinear(256, 160), InvariantLinear(64, 48)
     with torch.no_grad():
-        for layer in (large, small):
+        for layer in (head, large, small):
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
             prepack_module(layer)
-        for layer, rows, panels in ((large, 5, True), (large, 64, True), (large, 65, False), (small, 5, False)):
+        for layer, rows, panels in ((large, 5, True), (large, 64, True), (large, 65, False), (large, 1, False),
+                                    (head, 1, True), (small, 5, False)):
             x = torch.randn(rows, layer.in_features, generator=gen)
             with profile() as prof:
                 out = layer(x)

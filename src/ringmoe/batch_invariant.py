@@ -45,10 +45,11 @@ def tile_rows() -> int | None:
 
 
 # An eager product goes through a matrix's panel copy when it has at most this many rows and the matrix at least this
-# many values: called from Python (~6 us of wrapper and dispatch) the copy is 1.1-3.6x faster than MKL's product of
-# the plain weight at 2-32 rows for matrices from 128 x 256 up, slower below that size or from ~128 rows on
+# many values (of several rows, of one): called from Python (~6 us of wrapper and dispatch) the copy is 0.9-1.8x
+# MKL's product of the plain weight at 2-32 rows for matrices of 128 x 256 and 256 x 256 and 1.8-3.6x for a
+# 4096 x 256 LM head, at one row slower but for the head, and slower for smaller matrices or from ~128 rows on
 # (``benchmarks/bench_products.py``; inside a compiled graph, whose C++ calls the operator directly, it always pays)
-_PANEL_ROWS, _PANEL_VALUES = 64, 1 << 15
+_PANEL_ROWS, _PANEL_VALUES = 64, {False: 1 << 15, True: 1 << 18}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -60,7 +61,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = tile_rows()
     if rows is None:
         copy = packed_panels(weight, x) if weight.dim() == 2 else None
-        if copy is not None and x.numel() <= _PANEL_ROWS * x.shape[-1] and weight.numel() >= _PANEL_VALUES:
+        count = x.numel() // max(1, x.shape[-1])
+        if copy is not None and count <= _PANEL_ROWS and weight.numel() >= _PANEL_VALUES[count == 1]:
             return panel_linear(x, copy, bias)
         # one row by a weight stored input-major (the CPU engine's LM head): MKL's gemv streams it as fast
         one_row = x.numel() == x.shape[-1] and weight.stride(0) == 1
