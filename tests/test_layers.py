@@ -4,9 +4,10 @@ Layers, low to high: root utilities (batch_invariant, resources, jsonio) < atten
 < text < serve | train | sim (one floor: none imports another) < apps < cli.  Root utilities import none another
 but for the pairs ``UTILITY_EDGES`` names (prepacked sits below batch_invariant, whose ``linear`` uses its
 copies, panel_gemm below prepacked, which packs matrices for its kernel, and operators below prepacked, which
-registers the Python kernel of the operator its products call).  No module imports one that imports it (cycles, function-local imports included), and no function
-hides an import of the package inside itself, except where laziness is the point: the CLI loads a command's job
-only when it runs, and the Triton kernels load only when asked for (the package imports without Triton).
+registers the Python kernel of the operator its products call).  No module imports one that imports it (cycles,
+function-local imports included), and no function hides an import of the package inside itself, except where
+laziness is the point: the CLI loads a command's job only when it runs, and the Triton kernels load only when asked
+for (the package imports without Triton).
 """
 
 from __future__ import annotations

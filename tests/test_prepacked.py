@@ -136,7 +136,7 @@ def test_packed_copy_is_used_only_where_it_gives_the_plain_product():
                     reason="needs the kernel library and torch's C shim")
 def test_eager_products_take_the_panels_of_larger_matrices_at_few_rows():
     """Eagerly a product goes through the panel copy where that pays (a matrix of 32K values or more at 2-64 rows,
-    of 256K values or more at one row: ``batch_invariant._PANEL_VALUES``), else MKL's product of the plain weight:
+    of 256K values or more at one row: ``batch_invariant._PANEL_VALUES``...), else MKL's product of the plain weight:
     the same values either way."""
     from torch.profiler import profile
 

@@ -49,7 +49,7 @@ def tile_rows() -> int | None:
 # MKL's product of the plain weight at 2-32 rows for matrices of 128 x 256 and 256 x 256 and 1.8-3.6x for a
 # 4096 x 256 LM head, at one row slower but for the head, and slower for smaller matrices or from ~128 rows on
 # (``benchmarks/bench_products.py``; inside a compiled graph, whose C++ calls the operator directly, it always pays)
-_PANEL_ROWS, _PANEL_VALUES = 64, {False: 1 << 15, True: 1 << 18}
+_PANEL_ROWS, _PANEL_VALUES, _PANEL_VALUES_ONE_ROW = 64, 1 << 15, 1 << 18
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -62,7 +62,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows is None:
         copy = packed_panels(weight, x) if weight.dim() == 2 else None
         count = x.numel() // max(1, x.shape[-1])
-        if copy is not None and count <= _PANEL_ROWS and weight.numel() >= _PANEL_VALUES[count == 1]:
+        least = _PANEL_VALUES_ONE_ROW if count == 1 else _PANEL_VALUES
+        if copy is not None and count <= _PANEL_ROWS and weight.numel() >= least:
             return panel_linear(x, copy, bias)
         # one row by a weight stored input-major (the CPU engine's LM head): MKL's gemv streams it as fast
         one_row = x.numel() == x.shape[-1] and weight.stride(0) == 1

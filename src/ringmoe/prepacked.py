@@ -20,11 +20,12 @@ counts them.
 
 Where ``panel_gemm`` runs, a matrix (out, in) is packed as its panels too, kept in a tensor of the weight's shape,
 and multiplied by the operator ``ringmoe::panel_linear`` (its C kernel called by torch's dispatcher, no Python on
-the way; ``panel_linear``): at 1-32 rows 2-7x faster than oneDNN's copies and 1.3-4x faster than MKL's products
-of the plain weight, at 128-512 rows within 10% of them either way (side by side on the development machine,
-2 threads, weights of 128-4096 x 256).  A compiled decode step cannot read the side table: the modules whose
-products it runs (``InvariantLinear``, the router) hold their weight's panels in the attribute ``decode_panels``,
-which ``DecodePanels`` sets and keeps current (packing again, in place, a weight that changed).
+the way; ``panel_linear``): at 2-16 rows 1.1-4.5x faster than oneDNN's copies, up to 1.8x faster than MKL's
+products of the plain weight (3.6x for an LM head kept input-major), from ~128 rows about even (side by side on
+the development machine, 2 threads: ``benchmarks/bench_products.py``; an eager call pays ~6 us of Python, so
+``batch_invariant.linear`` takes the copy where that pays).  A compiled decode step cannot read the side table:
+the modules whose products it runs (``InvariantLinear``, the router) hold their weight's panels in the attribute
+``decode_panels``, which ``DecodePanels`` sets and keeps current (packing again, in place, a weight that changed).
 """
 
 from __future__ import annotations
@@ -210,17 +211,20 @@ class DecodePanels:
     def __init__(self, model: torch.nn.Module):
         self._held: list[tuple[torch.nn.Module, torch.Tensor, int, int]] = []  # module, weight, version, address
         for module in model.modules():
-            if "decode_panels" not in dir(type(module)) or getattr(module, "weight", None) is None:
+            if not hasattr(type(module), "decode_panels") or getattr(module, "weight", None) is None:
                 continue
             weight = module.weight
             if weight.dim() == 2 and (panel_copy(weight) is not None or module.decode_panels is not None):
                 self._hold(module, weight)
 
     def _hold(self, module: torch.nn.Module, weight: torch.Tensor) -> None:
-        if panel_copy(weight) is None and prepack(weight) == 0:
+        if panel_copy(weight) is None:
+            prepack(weight)
+        panels = panel_copy(weight)
+        if panels is None:  # (a float32 CPU matrix where panel_gemm runs always packs)
             raise RuntimeError(f"{type(module).__name__}'s weight ({weight.dtype}, {weight.device}) can no longer be "
-                               "packed for the decode graph made with it")
-        module.decode_panels = panels = panel_copy(weight)
+                               "packed as panels for the decode graph made with them")
+        module.decode_panels = panels
         torch._dynamo.mark_static(panels)  # its sizes constants of the graph (a symbolic size: a conversion a call)
         self._held.append((module, weight, weight._version, weight.data_ptr()))
 

@@ -124,3 +124,25 @@ def test_a_compiled_decode_step_runs_the_bound_experts_in_c():
     # the projections, the routers and the LM head multiply by their panel copies (``prepacked.DecodePanels``)
     assert "ringmoe::panel_linear" in names and not any(name.startswith("aoti_torch_cpu_mm") for name in names)
     assert [o.output_ids for o in compiled] == [o.output_ids for o in eager]
+
+
+def test_a_layer_freed_while_torch_compile_traces_still_releases_its_panels():
+    """A layer collected while a fake-tensor mode is set (torch.compile tracing another graph, when the garbage
+    collector happens to run) unbinds all the same: no error left in its finalizer, the kernel's reference gone."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = _layer(7)
+    with torch.no_grad():
+        assert layer.bind_c_experts()
+    panels = panel_copy(layer.experts.gate_up)
+    bound, errors = _uses(panels), []
+    hook, sys.unraisablehook = sys.unraisablehook, errors.append
+    try:
+        with FakeTensorMode():
+            del layer
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert errors == [] and _uses(panels) == bound - 1

@@ -100,9 +100,10 @@ def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dty
     """cos, sin (S, head_dim) for integer positions pos (S,), both halves of a head turning together.  freqs:
     ``inv_freq``'s (head_dim / 2,) for these arguments, computed before (a compiled decode step takes them as an
     input: traced, theta's powers are computed again for every element of every kernel that reads the tables)."""
-    factor = attention_factor(scaling)
     if freqs is None:
         freqs, factor = inv_freq(head_dim, theta, scaling, pos.device)
+    else:
+        factor = attention_factor(scaling)
     angles = pos.float()[:, None] * freqs[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)

@@ -8,6 +8,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .balance import ReplicaPlan
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
@@ -353,6 +354,8 @@ class MoELayer(nn.Module):
 
 
 def _unbind_c_experts(key: int) -> None:
-    """Release the C kernel's references to a freed layer's panel copies."""
-    empty = torch.empty(0)
-    bind_experts(key, empty, empty, empty, empty, 0, -1.0, 1.0)
+    """Release the C kernel's references to a freed layer's panel copies.  (A layer may be collected while
+    torch.compile traces another: its fake-tensor mode is set aside, or the call would meet fake tensors and fail.)"""
+    with _disable_current_modes():
+        empty = torch.empty(0)
+        bind_experts(key, empty, empty, empty, empty, 0, -1.0, 1.0)

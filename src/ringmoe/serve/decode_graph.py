@@ -71,6 +71,7 @@ MIN_WIDTH = 2  # blocks per table row at least: a width of 1 would be a shape to
 # the sum's length being at most this: the attention's longest sum runs over a row's blocks (``paged_decode``
 # sums within each block first), so a table wider than this many blocks is another graph
 LONG_SUM = 4096
+FRESH_MASKS = 4096  # ``DecodeGraph._fresh``'s masks kept (cleared when full: a bound on the host memory they take)
 
 
 def bucket(n: int) -> int:
@@ -186,10 +187,11 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs):
     (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
     head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); for a batch of one or a band
     of more than one row (the module's docstring says why) logits (B, vocab) float32, each row's greedy token (B,)
-    int64 and its log-probability (B,) float32 (``HeadOutput``), else three None; the MoE layers' expert counts over the real rows (moe layers, experts)
-    int64 (None without MoE layers), every layer's new K and V as the cache stores them (layers, 2, B, kv heads,
-    head dim)).  Few outputs, each a whole tensor: the caller pays host time per tensor a compiled graph returns
-    (the 26 outputs this step had, routings and K/V apart, cost ~10% of a batch-1 step)."""
+    int64 and its log-probability (B,) float32 (``HeadOutput``), else three None; the MoE layers' expert counts over
+    the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as the cache
+    stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays host time
+    per tensor a compiled graph returns (the 26 outputs this step had, routings and K/V apart, cost ~10% of a
+    batch-1 step)."""
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
@@ -240,7 +242,7 @@ class DecodeGraph:
         self.band = 1
         self.steps = 0  # decode steps run through the graph
         self.drafts_verified = 0  # speculative draft tokens the graph has verified
-        self._own_keys: dict[int, torch.Tensor] = {}  # band 1: ``_fresh`` per row count
+        self._masks: dict[tuple, torch.Tensor] = {}  # ``_fresh``'s masks made so far (at most FRESH_MASKS)
 
     @torch.no_grad()
     def warm_up(self, max_rows: int) -> float:
@@ -300,17 +302,23 @@ class DecodeGraph:
 
     def _fresh(self, group: list[int], band: int) -> torch.Tensor:
         """(rows, band) bool on the runner's device: row r sees the new key of row r - j when both rows are of one
-        item (``group``: each row's item, padding rows each their own).  Band 1 (no drafts): all True, made once
-        per row count."""
+        item (``group``: each row's item, padding rows each their own).  Band 1 (no drafts): all True.  Kept for
+        the steps of the same rows and items that follow (read only by the graph)."""
         rows = len(group)
+        key = (rows,) if band == 1 else (band, *group)  # (a steady load repeats its steps' shapes: made once each)
+        fresh = self._masks.get(key)
+        if fresh is not None:
+            return fresh
         if band == 1:
-            if rows not in self._own_keys:
-                self._own_keys[rows] = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
-            return self._own_keys[rows]
-        item = torch.tensor(group)
-        back = torch.arange(rows)[:, None] - torch.arange(band)
-        fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.runner.device)
-        torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
+            fresh = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
+        else:  # (~50 us of small tensor ops: a drafting step's host time, were it made at every step)
+            item = torch.tensor(group)
+            back = torch.arange(rows)[:, None] - torch.arange(band)
+            fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.runner.device)
+            torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
+        if len(self._masks) >= FRESH_MASKS:
+            self._masks.clear()
+        self._masks[key] = fresh
         return fresh
 
     @staticmethod
