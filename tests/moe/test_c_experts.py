@@ -126,9 +126,11 @@ def test_a_compiled_decode_step_runs_the_bound_experts_in_c():
     assert [o.output_ids for o in compiled] == [o.output_ids for o in eager]
 
 
-def test_a_layer_freed_while_torch_compile_traces_still_releases_its_panels():
-    """A layer collected while a fake-tensor mode is set (torch.compile tracing another graph, when the garbage
-    collector happens to run) unbinds all the same: no error left in its finalizer, the kernel's reference gone."""
+@pytest.mark.parametrize("context", ["fake tensors", "meta device"])
+def test_a_layer_freed_while_torch_compile_traces_still_releases_its_panels(context):
+    """A layer collected while a fake-tensor mode is set or tensors are made on the meta device (torch.compile
+    tracing another graph, when the garbage collector happens to run) unbinds all the same: no error left in its
+    finalizer, the kernel's reference gone."""
     import sys
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -140,7 +142,7 @@ def test_a_layer_freed_while_torch_compile_traces_still_releases_its_panels():
     bound, errors = _uses(panels), []
     hook, sys.unraisablehook = sys.unraisablehook, errors.append
     try:
-        with FakeTensorMode():
+        with FakeTensorMode() if context == "fake tensors" else torch.device("meta"):
             del layer
             gc.collect()
     finally:

@@ -355,7 +355,8 @@ class MoELayer(nn.Module):
 
 def _unbind_c_experts(key: int) -> None:
     """Release the C kernel's references to a freed layer's panel copies.  (A layer may be collected while
-    torch.compile traces another: its fake-tensor mode is set aside, or the call would meet fake tensors and fail.)"""
+    torch.compile traces another, or code runs under ``torch.device("meta")``: the fake-tensor mode is set aside and
+    the device named, or the call would meet fake or meta tensors and fail.)"""
     with _disable_current_modes():
-        empty = torch.empty(0)
+        empty = torch.empty(0, device="cpu")
         bind_experts(key, empty, empty, empty, empty, 0, -1.0, 1.0)
