@@ -8,7 +8,6 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .balance import ReplicaPlan
 from .dispatch import capacity_for, permute, plan_dispatch, unpermute
@@ -20,7 +19,7 @@ from .hf import layer_from_hf
 from .router import Router, Routing
 from .stats import MoEStats
 
-__all__ = ["MoELayer", "check_capacity_factor"]
+__all__ = ["MoELayer", "check_capacity_factor", "release_freed_c_experts"]
 
 # forward_static's default switches, unless the experts run panel_gemm's C code (MoELayer.fit_static_forms):
 # below this many token-expert assignments per expert, each assignment reads its expert's weights (measured with 8
@@ -187,6 +186,7 @@ class MoELayer(nn.Module):
         undone (the operator's Python kernel runs the layer, checking its copies at every call).  True when bound.
         Call outside torch.compile: the decode graph does at start-up, and again when ``c_binding_current`` says the
         weights changed since."""
+        release_freed_c_experts()
         self.register_op()
         binding = getattr(self.experts, "c_binding", None)
         binding = binding() if binding is not None and c_kernels() else None
@@ -197,7 +197,7 @@ class MoELayer(nn.Module):
             return False
         bind_experts(self.op_key, *binding)
         if self._c_bound_key != self.op_key:  # the key's binding released with the layer
-            weakref.finalize(self, _unbind_c_experts, self.op_key).atexit = False
+            weakref.finalize(self, _FREED_KEYS.append, self.op_key).atexit = False
             self._c_bound_key = self.op_key
         self._c_bound = self.experts.weights_versions()
         return True
@@ -353,10 +353,19 @@ class MoELayer(nn.Module):
         return layer_from_hf(cls, block, capacity_factor)
 
 
+# the keys of layers freed since their experts were bound: a finalizer only notes the key (it may run while
+# torch.compile traces, whose fake or meta tensors an operator call would meet), and the C kernel's references are
+# released at the next safe point (``release_freed_c_experts``: before a binding, before a decode graph's step)
+_FREED_KEYS: list[int] = []
+
+
+def release_freed_c_experts() -> None:
+    """Release the C kernel's references to the panel copies of the layers freed since the last call."""
+    while _FREED_KEYS:
+        _unbind_c_experts(_FREED_KEYS.pop())
+
+
 def _unbind_c_experts(key: int) -> None:
-    """Release the C kernel's references to a freed layer's panel copies.  (A layer may be collected while
-    torch.compile traces another, or code runs under ``torch.device("meta")``: the fake-tensor mode is set aside and
-    the device named, or the call would meet fake or meta tensors and fail.)"""
-    with _disable_current_modes():
-        empty = torch.empty(0, device="cpu")
-        bind_experts(key, empty, empty, empty, empty, 0, -1.0, 1.0)
+    """Release the C kernel's references to layer ``key``'s panel copies."""
+    empty = torch.empty(0, device="cpu")
+    bind_experts(key, empty, empty, empty, empty, 0, -1.0, 1.0)

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from ..attention.paged import paged_decode
 from ..float8 import decode_e4m3, encode_e4m3
+from ..moe.layer import release_freed_c_experts
 from ..prepacked import DecodePanels
 
 __all__ = ["DecodeGraph", "HeadOutput", "LOGITS", "bucket"]
@@ -362,6 +363,7 @@ class DecodeGraph:
         torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
         if self.panels is not None:
             self.panels.refresh()  # weights changed since they were packed: packed again
+        release_freed_c_experts()  # (the C experts' references to layers freed since, released here, not in tracing)
         if self.operator_rows is not None and rows >= self.operator_rows:
             for block in self.moe_blocks:  # weights changed since they were bound: bound anew (or unbound: stale)
                 if not block.c_binding_current():
