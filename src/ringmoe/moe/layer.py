@@ -308,8 +308,10 @@ class MoELayer(nn.Module):
     def record(self, counts: torch.Tensor) -> None:
         """``last_stats`` of a ``forward_static`` call from its real rows' assignments per expert, counts (E,)
         int64 (dropless; the decode step counts them inside its graph and keeps the routing there: serving reads
-        the counts only, and each tensor a graph returns costs its caller host time)."""
-        self._recorded_counts = counts
+        the counts only, and each tensor a graph returns costs its caller host time).  Stored past
+        ``nn.Module.__setattr__`` (a plain attribute: its checks for parameters, buffers and modules cost a decode
+        step ~3 us a layer)."""
+        self.__dict__["_recorded_counts"] = counts
 
     @torch.no_grad()
     def load_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:

@@ -236,6 +236,11 @@ class DecodeGraph:
         # its graphs): a symbolic size is one more integer to convert at each call
         for dim in (0, 1, 3, 4, 5):
             torch._dynamo.mark_static(runner.kv_buffer, dim)
+        buffer = runner.kv_buffer
+        # where a step's new K/V go: the model's layers of the buffer (the MTP modules' follow), K and V, every
+        # slot (blocks * block size), kv heads, head dim; one view made once (a step writes into it by slot)
+        self._kv_slots = buffer.view(*buffer.shape[:2], -1, *buffer.shape[4:])[:len(runner.model.layers)]
+        self.device = buffer.device
         if runner.kv_buffer.device.type == "cuda":  # CUDA graphs copy an input into their own memory at each replay
             torch._dynamo.mark_static_address(runner.kv_buffer)  # unless its address is fixed: the whole cache
         # new keys a row may see: its own and those of the band - 1 rows before it (its item's token and drafts);
@@ -244,6 +249,7 @@ class DecodeGraph:
         self.steps = 0  # decode steps run through the graph
         self.drafts_verified = 0  # speculative draft tokens the graph has verified
         self._masks: dict[tuple, torch.Tensor] = {}  # ``_fresh``'s masks made so far (at most FRESH_MASKS)
+        self._tables: tuple[list, torch.Tensor | None] = ([], None)  # the last step's tables: as lists, as a tensor
 
     @torch.no_grad()
     def warm_up(self, max_rows: int) -> float:
@@ -326,7 +332,8 @@ class DecodeGraph:
     def accepts(runner, items: list) -> bool:
         """Every item one generated token of a paged request (and its drafts, if any, no more than the graph's
         band holds), nothing else asked of the step."""
-        return bool(items) and not runner.deterministic and runner.model.static_ready and all(
+        graph = runner.decode_graph  # (its model can still run the step: no capacity set on a layer since)
+        return bool(items) and not runner.deterministic and all(block.static_ready for block in graph.moe_blocks) and all(
             item.kind == "paged" and len(item.token_ids) == 1 + item.drafts <= runner.decode_graph.band
             and (item.generated or item.drafts)
             and not item.copies and item.report_all == bool(item.drafts) for item in items)
@@ -353,13 +360,19 @@ class DecodeGraph:
         width = max(MIN_WIDTH, bucket(max(map(len, cached))))
         tables = [cached[i] + [scratch] * (width - len(cached[i])) for i in owner] + [[scratch] * width] * pad
         # padding rows decode token 0 at position 0 into the scratch block
+        # (made by torch.tensor: its storage 64-byte aligned, as inductor's code assumes of an input, which it
+        # would copy otherwise; a tensor over a Python array's buffer is not)
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
-                             [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long)
+                             [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long,
+                            device=self.device)
         # a step with no drafts runs the graph of band 1 (compiled too: ``warm_up``); its rows see their own key only
         band = 1 if real == len(items) else self.band
         fresh = self._fresh(owner + list(range(len(items), len(items) + pad)), band)  # padding rows: own items
-        meta = meta.to(runner.device)
-        tables = torch.tensor(tables, dtype=torch.long, device=runner.device).clamp_(min=0)  # -1: outside the window
+        # the last step's tables tensor serves again while no request took a new block (the graph only reads it);
+        # -1 (outside the window) clamped to a real block
+        if tables != self._tables[0]:
+            self._tables = (tables, torch.tensor(tables, dtype=torch.long, device=self.device).clamp_(min=0))
+        tables = self._tables[1]
         torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
         if self.panels is not None:
             self.panels.refresh()  # weights changed since they were packed: packed again
@@ -372,11 +385,11 @@ class DecodeGraph:
                                                                    runner.kv_scales, self.rope_freqs)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
-        buffer = runner.kv_buffer
-        buffer.view(*buffer.shape[:2], -1, *buffer.shape[4:])[:new_kv.shape[0]].index_copy_(2, meta[SLOTS], new_kv)
+        self._kv_slots.index_copy_(2, meta[SLOTS], new_kv)
         runner.expert_counts = counts
-        for block, count in zip(self.moe_blocks, counts.unbind() if counts is not None else ()):
-            block.record(count)
+        if counts is not None:
+            for block, count in zip(self.moe_blocks, counts.unbind()):
+                block.record(count)
         self.steps += 1
         self.drafts_verified += real - len(items)
         reports, first, spans = {}, 0, {}

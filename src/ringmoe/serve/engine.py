@@ -431,8 +431,8 @@ class Engine:
                     outputs.append(self._failed(request, error, request.emitted))
                     break
                 choice = TokenChoice(token, float(logprobs[i, token]))
-            token = choice.token
-            outputs.append(self._sample_safely(request, logits[i], None, choice))
+            token = choice.token  # (the row's logits only for an engine that returns them: an index op per row)
+            outputs.append(self._sample_safely(request, logits[i] if self.return_logits else None, None, choice))
             if request.status == Status.FINISHED or i == len(drafts) or token != drafts[i]:
                 break
             request.num_computed += 1  # an accepted draft: its K/V (computed this step) now count
@@ -581,7 +581,7 @@ class Engine:
             children.append(child)
         return children
 
-    def _sample_safely(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
+    def _sample_safely(self, request: Request, logits: torch.Tensor | None, mask: torch.Tensor | None,
                        choice: TokenChoice | None = None) -> RequestOutput:
         """Sample and apply the stop rules; if anything of that fails (NaN logits, a token its detokenizer
         cannot take...), the request ends alone with finish_reason "error"."""
@@ -630,8 +630,10 @@ class Engine:
             outputs.append(self._output(twin, [], "", "length", []))
         return outputs
 
-    def _sample(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
+    def _sample(self, request: Request, logits: torch.Tensor | None, mask: torch.Tensor | None,
                 choice: TokenChoice | None = None) -> RequestOutput:
+        """``request``'s token (``choice``, or drawn from logits (V,)), the stop rules, its output; logits may be
+        None where ``choice`` is given and the engine returns no logits."""
         params = request.params
         if choice is None:
             banned = []
