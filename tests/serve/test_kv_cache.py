@@ -61,8 +61,11 @@ def test_invariants_hold_under_random_operations(operations):
                 blocks.grow(rid, target)
             except NoFreeBlocks:
                 pass
-            else:
-                blocks.register_full_blocks(rid, known[rid], min(target, len(blocks.owned[rid].blocks) * 4))
+            else:  # the engine registers only where hashes_due says a block is newly full: never a block missed
+                computed = min(target, len(blocks.owned[rid].blocks) * 4)
+                due, before = blocks.hashes_due(rid, computed), list(blocks.owned[rid].hashes)
+                blocks.register_full_blocks(rid, known[rid], computed)
+                assert due or blocks.owned[rid].hashes == before
         elif op == "release":
             blocks.release(rid)
         blocks.check_integrity()

@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ringmoe.model import MoETransformer, preset
 from ringmoe.parallel import make_mesh
@@ -15,6 +17,7 @@ from ringmoe.parallel.launch import spawn
 from ringmoe.serve import Engine, SamplingParams
 from ringmoe.serve.draft_budget import GoodputBudget
 from ringmoe.serve.metrics import ServerMetrics
+from ringmoe.serve.request import Request
 from ringmoe.serve.speculative import NgramDrafter, SpeculationStats, SpeculativeConfig, verify_drafts
 
 PATTERN = [5, 9, 17, 33, 2, 7]
@@ -520,3 +523,13 @@ def test_a_server_with_speculation_streams_what_the_engine_writes_without_it(ser
         assert metric(server.url, "ringmoe:spec_decode_num_drafts_total") > 0
     finally:
         server.stop()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=12), st.lists(st.integers(0, 9), max_size=12),
+       st.lists(st.integers(0, 9), max_size=5), st.integers(0, 30), st.integers(0, 30))
+def test_a_requests_ids_between_two_places_are_those_of_its_whole_context(prompt, output, drafts, start, length):
+    """``Request.ids_between`` (a step's tokens of a request, its last token and drafts at decode) slices the
+    prompt, outputs and drafts as one list would, across their borders and past the end."""
+    request = Request("r", prompt, SamplingParams(), output_ids=list(output), draft_ids=list(drafts))
+    assert request.ids_between(start, start + length) == (prompt + output + drafts)[start:start + length]

@@ -313,7 +313,8 @@ class Engine:
             for request, count in batch.items:
                 request.num_computed += count - len(request.draft_ids)  # drafts count once accepted
                 blocks = self.groups[g].blocks
-                blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
+                if blocks.hashes_due(request.request_id, request.num_computed):
+                    blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
                 if self.window_reach is not None:
                     # the next query sits at num_computed and sees keys from num_computed - reach on
                     blocks.drop_before(request.request_id,
@@ -336,7 +337,9 @@ class Engine:
                 logits, greedy = self._head(torch.stack([reports[r.request_id] for r in due])), None
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
             chosen = self._plain_rows(due, logits, masks, greedy)
-            outputs += [out for i, (r, row, mask) in enumerate(zip(due, logits, masks))
+            # each row's logits where a row still draws its token or the engine returns them (else no views made)
+            rows = logits.unbind() if self.return_logits or len(chosen) < len(due) else [None] * len(due)
+            outputs += [out for i, (r, row, mask) in enumerate(zip(due, rows, masks))
                         for out in self._advance(r, row, mask, chosen.get(i))]
         for out in outputs:  # a finished request leaves the engine: nothing of it stays behind
             if out.finished:
@@ -444,13 +447,14 @@ class Engine:
                 len(drafts), accepted, request.request_id if request.status != Status.FINISHED else None)
         if request.status != Status.FINISHED:
             group = self.groups[self._group_of[request.request_id]]
-            group.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
+            if group.blocks.hashes_due(request.request_id, request.num_computed):
+                group.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
         return _merged(outputs)
 
     def _work_item(self, group: int, request: Request, count: int, copies: dict) -> WorkItem:
         blocks = self.groups[group].blocks
         due = request.num_computed + count == request.num_tokens + len(request.draft_ids)
-        tokens = (request.all_ids + request.draft_ids)[request.num_computed:request.num_computed + count]
+        tokens = request.ids_between(request.num_computed, request.num_computed + count)
         mtp = self.mtp is not None and self.mtp.tracks(request)  # the MTP module reads every computed position
         if isinstance(blocks, ShardedBlocks):
             kind = "ring" if request.num_computed == 0 else "decode"
@@ -559,7 +563,7 @@ class Engine:
                               [due[i].generator for i in rows])
         return chosen | {i: c for i, c in zip(rows, choices) if c is not None}
 
-    def _advance(self, request: Request, logits: torch.Tensor, mask: torch.Tensor | None,
+    def _advance(self, request: Request, logits: torch.Tensor | None, mask: torch.Tensor | None,
                  choice: TokenChoice | None = None) -> list[RequestOutput]:
         """Sample ``request``'s next token (``choice`` when it was chosen already; and, at its first token under
         n > 1, fork the other samples, which draw theirs from the same logits); the outputs."""

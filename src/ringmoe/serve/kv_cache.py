@@ -157,6 +157,11 @@ class BlockManager:
         owned.blocks[index] = destination
         return [(source.block_id, destination)]
 
+    def hashes_due(self, request_id: str, num_computed: int) -> bool:
+        """Whether ``register_full_blocks`` has a block to enter (a caller then makes the request's token list:
+        a copy of its whole context, which every decode step would otherwise pay for every request)."""
+        return self.prefix_caching and num_computed // self.block_size > len(self.owned[request_id].hashes)
+
     def register_full_blocks(self, request_id: str, tokens: list[int], num_computed: int) -> None:
         """Enter into the prefix cache every block whose ``block_size`` tokens are all computed now."""
         if not self.prefix_caching:

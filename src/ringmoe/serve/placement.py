@@ -86,6 +86,9 @@ class ShardedBlocks:
         for manager, count in zip(self.ranks, wanted):
             manager.grow(request_id, count)
 
+    def hashes_due(self, request_id: str, num_computed: int) -> bool:
+        return False  # (no prefix cache over a ring-sharded cache)
+
     def register_full_blocks(self, request_id: str, tokens: list[int], num_computed: int) -> None:
         return
 

@@ -85,6 +85,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """(prompt_ids + output_ids + draft_ids)[start:stop] (0 <= start <= stop), without copying the whole
+        context (a decode step asks each request for its last token and drafts)."""
+        ids, offset = [], 0
+        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+            if start < offset + len(part) and stop > offset:
+                ids += part[max(0, start - offset):stop - offset]
+            offset += len(part)
+        return ids
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
