@@ -207,11 +207,11 @@ def test_the_graphs_greedy_choices_are_plain_batchs(mode):
 
 
 @pytest.mark.parametrize("mode", ["static", "compiled"])
-def test_a_batch_of_one_takes_the_graphs_head_and_greedy_choice(mode):
-    """A step of one row applies the LM head and the greedy choice inside the graph (``HeadOutput`` reported; not
-    for steps of more rows): a greedy request's tokens and log-probabilities are the eager engine's (to float32
-    rounding), a seeded sampled one draws the eager engine's tokens from the graph's logits, and a request whose
-    row turns NaN there ends alone with an error."""
+def test_graph_steps_take_the_graphs_head_and_greedy_choice(mode):
+    """Every graph step, of one row or more, applies the LM head and the greedy choice inside the graph
+    (``HeadOutput`` reported): a greedy request's tokens and log-probabilities are the eager engine's (to float32
+    rounding), alone or beside another, a seeded sampled one draws the eager engine's tokens from the graph's
+    logits, and a request whose row turns NaN there ends alone with an error."""
     from ringmoe.serve.decode_graph import LOGITS, DecodeGraph
 
     model = _model("tiny", torch.float32)
@@ -232,11 +232,13 @@ def test_a_batch_of_one_takes_the_graphs_head_and_greedy_choice(mode):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(DecodeGraph, "run", spy)
             alone = engine.generate(prompts[:1], params)[0]
-            engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            both = engine.generate(prompts, params)
         assert alone.output_ids == eager.output_ids and len(alone.output_ids) == 7
-        torch.testing.assert_close(torch.tensor([c.logprob for c in alone.logprobs]),
-                                   torch.tensor([c.logprob for c in eager.logprobs]), rtol=0, atol=1e-5)
-    assert (1, True) in heads and (2, False) in heads and all(reported == (rows == 1) for rows, reported in heads)
+        for out, want in zip([alone, *both], [eager, *Engine(model).generate(prompts, params)]):
+            assert out.output_ids == want.output_ids
+            torch.testing.assert_close(torch.tensor([c.logprob for c in out.logprobs]),
+                                       torch.tensor([c.logprob for c in want.logprobs]), rtol=0, atol=1e-5)
+    assert (1, True) in heads and (2, True) in heads and all(reported for _, reported in heads)
     poisoned = _model("tiny", torch.float32)
     clean = Engine(model).generate(prompts[:1], greedy)[0].output_ids
     with torch.no_grad():

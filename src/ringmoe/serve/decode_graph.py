@@ -15,18 +15,15 @@ fixed-shape forward (``MoETransformer.hidden_states_static``) compiled once:
   reads the cache: the rows' final states, every layer's new K/V and each MoE layer's assignments per expert over
   the real rows come out of it, and after it the K/V are written at each row's slot (``index_copy_``) and the
   counts become the MoE statistics, once per step (``ModelRunner.expert_counts``; a layer's ``last_stats`` are
-  made from its row only when read).  For a batch of one the LM head and the greedy choice run
-  inside the graph too (``HeadOutput``: a greedy request's token is the graph's, a sampled one draws from the
-  graph's logits): measured in one process against the head run eagerly after the graph, a batch-1 step
-  1.05-1.10x faster (the head's and the sampler's host side: dispatch, a log-softmax, an argmax), but steps of 4
-  and 8 rows 0.92x / 0.95x: from two rows the eager head multiplies by the weight's prepacked oneDNN copy
-  (``ringmoe.prepacked``), which a traced product cannot use, so those steps report hidden states and the
-  engine applies the head.  Except in an engine that speculates (a band past one row): there every step that
-  carries drafts applies the head in the graph, and a greedy request's verification takes the graph's choice for
-  each of its rows (the eager head, a log-softmax and an argmax per row cost a step verifying 4 drafts of the demo
-  model ~0.3 ms): in one process, that engine's n-gram decoding 1.19x faster than before, the engine without drafts
-  1.08x (the MoE statistics read once a step, above).  The rows' integers (token, position, context length, real
-  or padding, slot) travel as one (5, B) tensor: one copy from the host;
+  made from its row only when read).  The LM head and the greedy choice run inside the graph too
+  (``HeadOutput``: a greedy request's token is the graph's, a sampled one draws from the graph's logits; a request
+  verifying drafts takes the graph's choice for each of its rows), the head multiplying by its panel copy
+  (``prepacked.DecodePanels``): measured in one process against the head applied eagerly after the graph (its
+  oneDNN copy, then the batch's log-softmax and argmax), the small preset's step 1.12x / 1.13x / 1.11x / 1.03x
+  faster at 2 / 8 / 32 / 64 rows (the graph's part grows by the head's product, the host's shrinks by more); before
+  the products had panel copies in the graph only a batch of one (1.05-1.10x) and the rows of a speculating step
+  (an engine verifying 4 drafts of the demo model 1.19x) took it.  The rows' integers (token, position, context
+  length, real or padding, slot) travel as one (5, B) tensor: one copy from the host;
 - torch.compile (inductor with its C++ wrapper on a CPU, so no Python runs between the graph's kernels; on a
   GPU CUDA graphs, one launch per step; no guards on the model's modules nor on globals: ``compile_options``) treats
   the batch and the table width as symbolic sizes: one graph for a batch of one, one per form of the experts above it
@@ -161,8 +158,7 @@ LOGITS = "logits"  # a graph step that applied the LM head reports its ``HeadOut
 
 
 class HeadOutput(NamedTuple):
-    """The LM head's part of a graph step that applied it (a batch of one, or a step that carries drafts: the band
-    past one row): every row's logits (rows, vocab) float32 and the greedy choice the graph made per row: the first
+    """The LM head's part of a graph step: every row's logits (rows, vocab) float32 and the greedy choice the graph made per row: the first
     index of the row's largest logit and that logit's log-probability (NaN where the row holds a NaN or +inf, or
     only -inf: no choice); ``spans``: per request id, its item's first row and row count (a token and its drafts)."""
 
@@ -186,9 +182,9 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
     real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
     (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
-    head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); for a batch of one or a band
-    of more than one row (the module's docstring says why) logits (B, vocab) float32, each row's greedy token (B,)
-    int64 and its log-probability (B,) float32 (``HeadOutput``), else three None; the MoE layers' expert counts over
+    head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); logits (B, vocab) float32,
+    each row's greedy token (B,) int64 and its log-probability (B,) float32 (``HeadOutput``); the MoE layers' expert
+    counts over
     the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as the cache
     stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays host time
     per tensor a compiled graph returns (the 26 outputs this step had, routings and K/V apart, cost ~10% of a
@@ -197,14 +193,11 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs):
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention, rope_freqs)
-    logits = tokens = logprobs = None
-    # (torch.compile specialises a batch of one, and the band is marked static: constants of each graph)
-    if meta.shape[1] == 1 or fresh.shape[1] > 1:
-        logits = model.lm_head(hidden).float()
-        tokens = logits.max(dim=-1).indices  # the first index of the largest value (a NaN's, if the row has one)
-        # the sampler's log-probability (``plain_batch``): NaN where the row holds a NaN or +inf (inf - inf), or only
-        # -inf: NaN marks a row with no choice
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    logits = model.lm_head(hidden).float()
+    tokens = logits.max(dim=-1).indices  # the first index of the largest value (a NaN's, if the row has one)
+    # the sampler's log-probability (``plain_batch``): NaN where the row holds a NaN or +inf (inf - inf), or only
+    # -inf: NaN marks a row with no choice
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     real = meta[REAL]
     counts = [(F.one_hot(r.topk_idx, r.probs.shape[-1]) * real[:, None, None]).sum((0, 1)) for r in routings]
     new_kv = torch.stack([torch.stack(pair) for pair in attention.new_kv])
@@ -340,8 +333,8 @@ class DecodeGraph:
 
     def run(self, items: list) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and where the graph applied the LM head
-        (a step of one row, any step of a band past one), {LOGITS: its ``HeadOutput``}."""
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and {LOGITS: the ``HeadOutput`` of the
+        LM head the graph applied}."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
         ids, positions, slots, owner, cached = [], [], [], [], []  # per row; cached: per item
@@ -401,6 +394,5 @@ class DecodeGraph:
             if item.report:
                 reports[item.request_id] = hidden[first + count - 1]
             first += count
-        if logits is not None:
-            reports[LOGITS] = HeadOutput(logits, tokens.tolist(), logprobs.tolist(), spans)
+        reports[LOGITS] = HeadOutput(logits, tokens.tolist(), logprobs.tolist(), spans)
         return reports
