@@ -158,9 +158,10 @@ LOGITS = "logits"  # a graph step that applied the LM head reports its ``HeadOut
 
 
 class HeadOutput(NamedTuple):
-    """The LM head's part of a graph step: every row's logits (rows, vocab) float32 and the greedy choice the graph made per row: the first
-    index of the row's largest logit and that logit's log-probability (NaN where the row holds a NaN or +inf, or
-    only -inf: no choice); ``spans``: per request id, its item's first row and row count (a token and its drafts)."""
+    """The LM head's part of a graph step: every row's logits (rows, vocab) float32 and the greedy choice the
+    graph made per row: the first index of the row's largest logit and that logit's log-probability (NaN where the
+    row holds a NaN or +inf, or only -inf: no choice); ``spans``: per request id, its item's first row and row
+    count (a token and its drafts)."""
 
     logits: torch.Tensor
     tokens: list[int]
@@ -179,16 +180,15 @@ IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
 
 
 def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs):
-    """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a
-    real row (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
+    """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a real row
+    (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
     (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
-    head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); logits (B, vocab) float32,
-    each row's greedy token (B,) int64 and its log-probability (B,) float32 (``HeadOutput``); the MoE layers' expert
-    counts over
-    the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as the cache
-    stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays host time
-    per tensor a compiled graph returns (the 26 outputs this step had, routings and K/V apart, cost ~10% of a
-    batch-1 step)."""
+    head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); logits (B, vocab) float32, each
+    row's greedy token (B,) int64 and its log-probability (B,) float32 (``HeadOutput``); the MoE layers' expert
+    counts over the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as
+    the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays
+    host time per tensor a compiled graph returns (the 26 outputs this step had, routings and K/V apart, cost ~10%
+    of a batch-1 step)."""
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
@@ -325,9 +325,9 @@ class DecodeGraph:
     def accepts(runner, items: list) -> bool:
         """Every item one generated token of a paged request (and its drafts, if any, no more than the graph's
         band holds), nothing else asked of the step."""
-        graph = runner.decode_graph  # (its model can still run the step: no capacity set on a layer since)
-        return bool(items) and not runner.deterministic and all(block.static_ready for block in graph.moe_blocks) and all(
-            item.kind == "paged" and len(item.token_ids) == 1 + item.drafts <= runner.decode_graph.band
+        graph = runner.decode_graph  # (and its MoE layers still dropless: no capacity set on one since)
+        return bool(items) and not runner.deterministic and all(block.static_ready for block in graph.moe_blocks) \
+            and all(item.kind == "paged" and len(item.token_ids) == 1 + item.drafts <= graph.band
             and (item.generated or item.drafts)
             and not item.copies and item.report_all == bool(item.drafts) for item in items)
 
