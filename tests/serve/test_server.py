@@ -182,10 +182,22 @@ def test_a_full_queue_answers_429_and_every_request_ends(served_checkpoint):
 def test_a_rank_killed_during_load_ends_the_mesh_server_with_the_rank_named(served_checkpoint):
     s = Server(served_checkpoint, 2, 2)
     try:
-        load = threading.Thread(target=run_benchmark, args=(BenchConfig(
-            s.url, MODEL, num_prompts=64, concurrency=16, input_len=(8, 64), output_len=(32, 32), timeout=30),))
+        failures = []  # the load's calls fail once the server is gone: expected, kept out of the thread's exit
+
+        def run_load():
+            try:
+                run_benchmark(BenchConfig(s.url, MODEL, num_prompts=64, concurrency=16, input_len=(8, 64),
+                                          output_len=(32, 32), timeout=30))
+            except Exception as error:
+                failures.append(error)
+
+        load = threading.Thread(target=run_load)
         load.start()
-        time.sleep(1.0)
+        # the kill comes under load: once requests run (the load makes its prompts first, ~1 s or more)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and metric(s.url, "ringmoe:num_requests_running") == 0:
+            time.sleep(0.1)
+        assert metric(s.url, "ringmoe:num_requests_running") > 0
         ranks = s.ranks()
         assert len(ranks) == 4
         killed = time.monotonic()
@@ -200,6 +212,7 @@ def test_a_rank_killed_during_load_ends_the_mesh_server_with_the_rank_named(serv
             time.sleep(0.1)
         assert not any(alive(p) for p in ranks)
         load.join(timeout=60)
+        assert not load.is_alive()
     finally:
         s.stop()
 
