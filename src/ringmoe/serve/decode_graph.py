@@ -310,11 +310,11 @@ class DecodeGraph:
         if fresh is not None:
             return fresh
         if band == 1:
-            fresh = torch.ones(rows, 1, dtype=torch.bool, device=self.runner.device)
+            fresh = torch.ones(rows, 1, dtype=torch.bool, device=self.device)
         else:  # (~50 us of small tensor ops: a drafting step's host time, were it made at every step)
             item = torch.tensor(group)
             back = torch.arange(rows)[:, None] - torch.arange(band)
-            fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.runner.device)
+            fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.device)
             torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
         if len(self._masks) >= FRESH_MASKS:
             self._masks.clear()

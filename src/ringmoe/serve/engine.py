@@ -313,8 +313,7 @@ class Engine:
             for request, count in batch.items:
                 request.num_computed += count - len(request.draft_ids)  # drafts count once accepted
                 blocks = self.groups[g].blocks
-                if blocks.hashes_due(request.request_id, request.num_computed):
-                    blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
+                self._register_full_blocks(blocks, request)
                 if self.window_reach is not None:
                     # the next query sits at num_computed and sees keys from num_computed - reach on
                     blocks.drop_before(request.request_id,
@@ -446,10 +445,15 @@ class Engine:
             self.draft_budget.observe_acceptance(  # a finished request's counts are gone with it
                 len(drafts), accepted, request.request_id if request.status != Status.FINISHED else None)
         if request.status != Status.FINISHED:
-            group = self.groups[self._group_of[request.request_id]]
-            if group.blocks.hashes_due(request.request_id, request.num_computed):
-                group.blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
+            self._register_full_blocks(self.groups[self._group_of[request.request_id]].blocks, request)
         return _merged(outputs)
+
+    @staticmethod
+    def _register_full_blocks(blocks, request: Request) -> None:
+        """Enter ``request``'s newly full blocks into the prefix cache; its token list (a copy of its whole
+        context) is made only when a block filled since (``hashes_due``), not at every step."""
+        if blocks.hashes_due(request.request_id, request.num_computed):
+            blocks.register_full_blocks(request.request_id, request.all_ids, request.num_computed)
 
     def _work_item(self, group: int, request: Request, count: int, copies: dict) -> WorkItem:
         blocks = self.groups[group].blocks
