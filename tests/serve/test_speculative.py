@@ -527,7 +527,7 @@ def test_a_server_with_speculation_streams_what_the_engine_writes_without_it(ser
 
 @hypothesis.settings(max_examples=80, deadline=None)
 @hypothesis.given(st.lists(st.integers(0, 9), min_size=1, max_size=12), st.lists(st.integers(0, 9), max_size=12),
-       st.lists(st.integers(0, 9), max_size=5), st.integers(0, 30), st.integers(0, 30))
+                  st.lists(st.integers(0, 9), max_size=5), st.integers(0, 30), st.integers(0, 30))
 def test_a_requests_ids_between_two_places_are_those_of_its_whole_context(prompt, output, drafts, start, length):
     """``Request.ids_between`` (a step's tokens of a request, its last token and drafts at decode) slices the
     prompt, outputs and drafts as one list would, across their borders and past the end."""
