@@ -8,6 +8,8 @@ compiled graph calls without entering Python.
   ``grouped_experts_python`` (the same Python kernel under a second name, which the C kernel calls);
 - ``panel_linear``: a product by a weight's panel copy (Python kernel: ``prepacked``), the CPU products of the
   float32 projections eagerly and in a compiled decode step;
+- ``gather_rows``, ``sum_rows``, ``merge_over_group``: the collectives of a compiled decode step on a mesh, the
+  process group named by its key (Python kernels: ``parallel.graph_collectives``);
 - ``bind_experts``: C only: gives ``grouped_experts``'s C kernel a layer's panel copies, biases and activation
   (``MoELayer.bind_c_experts``); empty panels unbind the layer.
 
@@ -32,6 +34,9 @@ LIBRARY.define("grouped_experts(Tensor x, Tensor topk_idx, Tensor topk_weight, i
 LIBRARY.define("grouped_experts_python(Tensor x, Tensor topk_idx, Tensor topk_weight, int layer) -> Tensor")
 LIBRARY.define("bind_experts(int layer, Tensor gate_up, Tensor down, Tensor gate_up_bias, Tensor down_bias, "
                "int ffn_size, float limit, float alpha) -> ()")
+LIBRARY.define("gather_rows(Tensor x, int group) -> Tensor")
+LIBRARY.define("sum_rows(Tensor y, int group) -> Tensor")
+LIBRARY.define("merge_over_group(Tensor out, Tensor lse, int group) -> (Tensor, Tensor)")
 
 
 def c_kernels() -> bool:

@@ -221,8 +221,8 @@ def test_graph_steps_take_the_graphs_head_and_greedy_choice(mode):
     heads = []  # per graph step: its rows, whether it reported the head's output
     run = DecodeGraph.run
 
-    def spy(self, items):
-        reports = run(self, items)
+    def spy(self, items, plan=None):
+        reports = run(self, items, plan)
         heads.append((len(items), LOGITS in reports))
         return reports
 
@@ -302,9 +302,10 @@ def test_bad_decode_graph_mode_is_refused():
 
 
 @pytest.mark.slow  # `make test-all`
-def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_checkpoint):
-    """`ringmoe serve` compiles by default (the test servers pass --enforce-eager): greedy answers, streamed
-    and whole, batched by concurrent clients, are the eager server's."""
+@pytest.mark.parametrize("cp, ep", [(1, 1), (2, 1), (1, 2)])
+def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_checkpoint, cp, ep):
+    """`ringmoe serve` compiles by default (the test servers pass --enforce-eager), on one rank or a mesh: greedy
+    answers, streamed and whole, batched by concurrent clients, are the eager server's."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..served import MODEL, Server
@@ -312,7 +313,7 @@ def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_c
     prompts = ["def add(a, b):", "The quick brown", "naïve café", "print('hello"]
     answers = []
     for compiled in (False, True):
-        server = Server(served_checkpoint, compiled=compiled)
+        server = Server(served_checkpoint, cp, ep, compiled=compiled)
         try:
             assert ("decode step compiled" in server.stderr()) == compiled
             def ask(prompt, server=server):

@@ -175,7 +175,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  contexts: torch.Tensor, length: int, window_left: int = -1, sinks: torch.Tensor | None = None,
                  new: tuple[torch.Tensor, torch.Tensor] | None = None,
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 fresh: torch.Tensor | None = None, by_block: bool = False) -> torch.Tensor:
+                 fresh: torch.Tensor | None = None, by_block: bool = False, cached: torch.Tensor | None = None,
+                 first: torch.Tensor | None = None, return_lse: bool = False):
     """New tokens against a paged cache, one query row each, in fixed-shape tensor ops (no host work: what the
     compiled decode step runs).
 
@@ -202,13 +203,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     library: each row's keys read where they lie, with the online softmax), else in tensor ops with the softmax's
     sum taken per block, then over the blocks (``_logsumexp_by_block``); otherwise one sum over the keys, whose bits
     the deterministic mode's kernels share.
+
+    A cp rank's part of the attention (``cached`` and ``first`` given): the cache holds only the positions this rank
+    keeps, so a row's cached keys are not its context minus its new keys; cached (n,) int64 says how many of the
+    rank's cached keys a row reads, first (n,) int64 the first of them inside its window (0 without one), and
+    ``fresh`` marks only the new keys this rank keeps (a row may see none: its part then has lse -inf and output
+    0, never NaN); ``contexts`` stays each row's position + 1 (the window of the new keys).  ``return_lse``: (out,
+    lse (n, heads) in the accumulation dtype), before ``sinks`` (added once the ranks' parts are merged).
     """
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     if new is not None and fresh is None:
         fresh = torch.ones(n, 1, dtype=torch.bool, device=q.device)
-    cached = contexts[:, None] - (0 if new is None else fresh.sum(1, keepdim=True))  # keys to read from the cache
+    partial = cached is not None  # a cp rank's part: a row may see no key at all here
+    if cached is None:  # keys to read from the cache
+        cached = contexts - (0 if new is None else fresh.sum(1))
+    if first is None:  # the first cached key inside the row's window
+        first = (contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts)
+    cached = cached[:, None]
     group = heads // kv_heads
     scale = dim**-0.5
     qg = q.to(acc).view(n, kv_heads, group, dim)                                         # rows of one K/V head
@@ -218,12 +231,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         # call through the dispatcher into a Python kernel (~25 us a layer) cost more than the gather it saves (a
         # batch-1 step 0.91x, ``decode.json``); without Python, in one process the small preset's batch-1 step
         # 1.09-1.21x faster than with the gather
-        first = ((contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts))
         out, lse = paged_cached_attention(q, k_cache, v_cache, tables, first, cached[:, 0].clamp(max=length), scale)
         out, lse = out.view(n, kv_heads, group, dim), lse.view(n, kv_heads, group)
     else:
-        out, lse = _cached_part(qg, k_cache, v_cache, tables, contexts, cached, length, window_left, kv_scales,
-                                by_block, scale)
+        out, lse = _cached_part(qg, k_cache, v_cache, tables, first, cached, length, kv_scales, by_block, scale)
     if new is not None:
         band = fresh.shape[1]
         source = (torch.arange(n, device=q.device)[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
@@ -237,19 +248,32 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         new_k, new_v = new_k.transpose(1, 2)[:, :, None], new_v.transpose(1, 2)[:, :, None]  # (n, Hkv, 1, band, D)
         new_scores = (qg[:, :, :, None, :] * new_k).sum(-1) * scale                        # (n, Hkv, G, band)
         new_scores = new_scores.masked_fill(~seen[:, None, None, :], float("-inf"))
-        new_lse = torch.logsumexp(new_scores, dim=-1)                   # finite: every row sees its own key
-        new_out = (torch.exp(new_scores - new_lse[..., None])[..., None] * new_v).sum(-2)  # (n, Hkv, G, D)
-        merged = torch.logaddexp(lse, new_lse)
-        out = out * torch.exp(lse - merged)[..., None] + new_out * torch.exp(new_lse - merged)[..., None]
+        new_lse = torch.logsumexp(new_scores, dim=-1)  # finite where a row sees its own key (always, but on a cp rank)
+        if partial:  # a row that sees no key here: -inf read as 0 where it is subtracted (weights 0, not NaN)
+            shift, merged = _finite(new_lse), torch.logaddexp(lse, new_lse)
+            new_out = (torch.exp(new_scores - shift[..., None])[..., None] * new_v).sum(-2)
+            finite = _finite(merged)
+            out = out * torch.exp(lse - finite)[..., None] + new_out * torch.exp(new_lse - finite)[..., None]
+        else:
+            new_out = (torch.exp(new_scores - new_lse[..., None])[..., None] * new_v).sum(-2)  # (n, Hkv, G, D)
+            merged = torch.logaddexp(lse, new_lse)
+            out = out * torch.exp(lse - merged)[..., None] + new_out * torch.exp(new_lse - merged)[..., None]
         lse = merged
     out = out.reshape(n, heads, dim)
+    if return_lse:
+        return out.to(q.dtype), lse.reshape(n, heads)
     if sinks is not None:
         out, _ = add_sinks(out[None], lse.reshape(n, heads).T[None], sinks)
         out = out[0]
     return out.to(q.dtype)
 
 
-def _cached_part(qg, k_cache, v_cache, tables, contexts, cached, length, window_left, kv_scales, by_block, scale):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf read as 0: what is subtracted from the scores of a row that sees no key (exp gives 0, not NaN)."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _cached_part(qg, k_cache, v_cache, tables, first, cached, length, kv_scales, by_block, scale):
     """``paged_decode``'s attention over the cached keys in tensor ops: qg (n, kv_heads, G, D) in the accumulation
     dtype -> out (n, kv_heads, G, D), lse (n, kv_heads, G) (-inf and a zero output for a row that sees no key)."""
     n, kv_heads, _, dim = qg.shape
@@ -260,9 +284,7 @@ def _cached_part(qg, k_cache, v_cache, tables, contexts, cached, length, window_
     keys = read_cache(k_cache, flat, k_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
     values = read_cache(v_cache, flat, v_scale, acc).view(n, width * block_size, kv_heads, dim)[:, :length]
     position = torch.arange(length, device=qg.device)
-    visible = position[None] < cached
-    if window_left >= 0:
-        visible &= position[None] >= contexts[:, None] - 1 - window_left
+    visible = (position[None] < cached) & (position[None] >= first[:, None])
     # slots past a row's context hold whatever their block held before (another request's K/V, padding): a
     # zero weight times a stale NaN is NaN, so those values are zeroed, not only their scores masked
     values = values.masked_fill(~visible[:, :, None, None], 0.0)
@@ -273,8 +295,8 @@ def _cached_part(qg, k_cache, v_cache, tables, contexts, cached, length, window_
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = (_logsumexp_by_block(scores, block_size) if by_block
            else torch.logsumexp(scores, dim=-1))                                         # (n, Hkv, G)
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row with no key: weights 0, not NaN
-    return torch.matmul(torch.exp(scores - finite[..., None]), values), lse              # (n, Hkv, G, D)
+    # a row with no key: weights 0, not NaN
+    return torch.matmul(torch.exp(scores - _finite(lse)[..., None]), values), lse       # (n, Hkv, G, D)
 
 
 def _logsumexp_by_block(scores: torch.Tensor, block_size: int) -> torch.Tensor:

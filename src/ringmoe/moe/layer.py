@@ -14,6 +14,7 @@ from .dispatch import capacity_for, permute, plan_dispatch, unpermute
 from .expert_parallel import expert_parallel_forward
 from .experts import SharedExpert, SwiGLUExperts, activate
 from ..operators import c_kernels
+from ..parallel.graph_collectives import gather_rows_op, group_key, sum_rows_op
 from .grouped_op import bind_experts, grouped_experts, is_registered, register_layer
 from .hf import layer_from_hf
 from .router import Router, Routing
@@ -84,6 +85,7 @@ class MoELayer(nn.Module):
         self.ep_size, self.ep_rank = 1, 0
         if group is not None:
             self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
+            self.group_key = group_key(group)  # how a compiled step's exchanges find the group (``forward_static``)
             if num_experts % self.ep_size:
                 raise ValueError(
                     f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({self.ep_size})"
@@ -215,14 +217,14 @@ class MoELayer(nn.Module):
         fused = self._routed_in_one_call(flat, topk_idx, topk_weight)
         if fused is not None:
             return fused[0]
-        plan = plan_dispatch(topk_idx, topk_weight, self.num_experts, None)
-        expert_out = self.experts.grouped(permute(flat, plan, self.num_experts), plan.counts.tolist())
+        plan = plan_dispatch(topk_idx, topk_weight, self.local_experts, None)  # (ids of this rank's experts)
+        expert_out = self.experts.grouped(permute(flat, plan, self.local_experts), plan.counts.tolist())
         return unpermute(expert_out, plan, topk_weight, flat.shape[0])
 
     @property
     def static_ready(self) -> bool:
-        """The layer can run ``forward_static``: dropless, every expert local."""
-        return self.capacity_factor is None and self.ep_size == 1
+        """The layer can run ``forward_static``: dropless, one slot per expert (no replicas)."""
+        return self.capacity_factor is None and self.replica_plan is None
 
     def fit_static_forms(self) -> None:
         """Set ``forward_static``'s switches for the way this layer's experts run now.  Where they run
@@ -258,17 +260,46 @@ class MoELayer(nn.Module):
         the arithmetic, but one batched GEMM per projection and no data-dependent shape).  More tokens: the
         sorted per-expert GEMMs of ``forward`` as one opaque operator of the graph (``grouped_op``: their split
         depends on the routing, which a traced graph cannot express), where the dense form's extra arithmetic
-        would cost more.  Dropless and local only (``static_ready``); ``record`` turns the routing of the real rows
-        and their counts per expert (the decode step's graph computes them) into ``last_stats``."""
+        would cost more.  Dropless only, without replicas (``static_ready``); ``record`` turns the routing of the real
+        rows and their counts per expert (the decode step's graph computes them) into ``last_stats``.
+
+        Under expert parallelism every rank of the group passes the same number of rows T (a decode step pads its
+        batch to the group's largest): the rows and their routing are gathered from every rank (one all-gather),
+        each rank applies its experts to the assignments they hold among all P x T rows (the others weighted 0:
+        fixed shapes, whatever the routing), and each rank's rows come home summed over the ranks' parts (one
+        all-to-all): both exchanges are operators of the compiled graph (``parallel.graph_collectives``).  The
+        routing returned is this rank's rows'."""
         if not torch.compiler.is_compiling():
             self.register_op()
         routing = self.router(x)
-        tokens, k = routing.topk_idx.shape
+        if self.ep_size == 1:
+            y = self._routed_static(x, routing.topk_idx, routing.topk_weight)
+        else:
+            k = routing.topk_idx.shape[1]
+            # the rows, their experts and weights in one message, at least float32 (the ids exact, the weights whole)
+            wide = torch.promote_types(x.dtype, torch.float32)
+            packed = torch.cat([x.to(wide), routing.topk_idx.to(wide), routing.topk_weight.to(wide)], dim=1)
+            every = gather_rows_op(packed, self.group_key)                                   # (P T, H + 2k)
+            rows, chosen, weights = every.split([self.hidden_size, k, k], dim=1)
+            rows = rows.to(x.dtype).contiguous()  # (the experts' C kernel reads whole rows)
+            local = chosen.long() - self.expert_offset
+            held = (local >= 0) & (local < self.local_experts)
+            parts = self._routed_static(rows, local.clamp(0, self.local_experts - 1),
+                                        torch.where(held, weights, torch.zeros_like(weights)))
+            y = sum_rows_op(parts, self.group_key)                                           # (T, H)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.to(x.dtype), routing
+
+    def _routed_static(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """``forward_static``'s routed part (T, H) of this rank's experts: x (T, H), topk_idx (T, k) int64 local
+        expert ids, topk_weight (T, k) (0 for an assignment no expert here holds)."""
+        tokens, k = topk_idx.shape
         experts = self.experts
         if tokens * k < self.gathered_below or (not experts.dense_decode and tokens < self.dense_below):
             # matrix-vector products written as multiply-and-sum: compiled, each is one kernel that reads the
             # chosen expert's weights where they lie (a gather then a GEMM would copy them first)
-            chosen = routing.topk_idx.reshape(-1)
+            chosen = topk_idx.reshape(-1)
             rows = x.repeat_interleave(k, dim=0)                                               # (T k, H)
             gate_up, down = experts.gathered(chosen)                                 # (T k, 2F, H), (T k, H, F)
             h = (gate_up * rows[:, None, :]).sum(-1)                                           # (T k, 2F)
@@ -278,17 +309,13 @@ class MoELayer(nn.Module):
             y = (down * a[:, None, :]).sum(-1)                                                 # (T k, H)
             if experts.down_bias is not None:
                 y = y + experts.down_bias.index_select(0, chosen)
-            y = (y.view(tokens, k, -1) * routing.topk_weight.to(y.dtype)[..., None]).sum(1)
-        elif tokens >= self.dense_below:
-            y = grouped_experts(x, routing.topk_idx, routing.topk_weight, self.op_key)
-        else:
-            every = experts.padded(x.expand(self.num_experts, *x.shape))                     # (E, T, H)
-            combine = torch.zeros(tokens, self.num_experts, dtype=every.dtype, device=x.device)
-            combine.scatter_(1, routing.topk_idx, routing.topk_weight.to(every.dtype))
-            y = torch.einsum("eth,te->th", every, combine)
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y.to(x.dtype), routing
+            return (y.view(tokens, k, -1) * topk_weight.to(y.dtype)[..., None]).sum(1)
+        if tokens >= self.dense_below:
+            return grouped_experts(x, topk_idx, topk_weight, self.op_key)
+        every = experts.padded(x.expand(self.local_experts, *x.shape))                       # (E, T, H)
+        combine = torch.zeros(tokens, self.local_experts, dtype=every.dtype, device=x.device)
+        combine.scatter_add_(1, topk_idx, topk_weight.to(every.dtype))  # (add: two of a row's held-0 ids may meet)
+        return torch.einsum("eth,te->th", every, combine)
 
     @property
     def last_stats(self) -> MoEStats | None:

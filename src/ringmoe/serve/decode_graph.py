@@ -40,10 +40,22 @@ requests carries drafts (no n-gram matched) runs the graph of band 1, compiled a
 1 + k such a step of the demo model cost ~15% more (each row gathering, scoring and masking k new keys it never
 sees); in one process the speculating engine's n-gram decoding at one request 1.12x faster.
 
+On a cp x ep mesh every rank runs the step as its own graph (compiled at start-up on every rank, with the same
+warm-up runs, which join the same collectives), with the exchanges inside it as operators
+(``parallel.graph_collectives``): each cp rank attends to the positions it keeps (``TableAttention``: the cached
+keys it reads and each window's first one come as rows of the inputs; a new key joins only on the rank that keeps
+its position, the others write it to the scratch block) and the ranks' parts merge over the cp group, one
+all-gather a layer; under expert parallelism each MoE layer gathers every ep rank's rows and routing and sends the
+rows home summed over the ranks' experts (``MoELayer.forward_static``), so every rank of an ep group runs as many
+rows as the largest group's step (a rank with no request runs padding rows only).  Whether a step runs as a graph
+is decided on every ep group's items, the same way on every rank.  The LM head stays with the driver (it samples
+for every ep group from the states the ranks send).  Inside the graph rather than between graphs: measured on this
+machine (``bench_mesh_decode.py``), see ``graph_collectives`` for the ways not kept.
+
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
-mode, meshes (cp or ep > 1), latent attention and capacity-bounded experts take the eager path
-(``ModelRunner.step``).  ``compile=False`` runs the same padded fixed-shape step eagerly (what the
-equality tests compare against, and a fallback).
+mode, latent attention, capacity-bounded experts and expert replicas take the eager path (``ModelRunner.step``).
+``compile=False`` runs the same padded fixed-shape step eagerly (what the equality tests compare against, and a
+fallback).
 """
 
 from __future__ import annotations
@@ -58,9 +70,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.paged import paged_decode
+from ..attention.sinks import add_sinks
 from ..float8 import decode_e4m3, encode_e4m3
 from ..moe.layer import release_freed_c_experts
+from ..parallel.graph_collectives import group_key, merge_over_group_op
 from ..prepacked import DecodePanels
+from .placement import local_count
 
 __all__ = ["DecodeGraph", "HeadOutput", "LOGITS", "bucket"]
 
@@ -124,14 +139,21 @@ class TableAttention:
     """The ``AttentionBackend`` of a decode batch: row r attends to the blocks ``tables[r]`` (``contexts[r]`` keys,
     its own included), the new keys of the rows ``fresh[r]`` marks among them; the rows' new K/V are collected in
     ``new_kv`` (the step writes them into the cache after the graph).  kv_scales: per layer (k_scale, v_scale) of
-    an FP8 cache, or None."""
+    an FP8 cache, or None.
+
+    On a cp rank (``merge_group``: the cp group's key, ``graph_collectives.group_key``) the cache holds the positions
+    this rank keeps: row r reads ``cached[r]`` of its cached keys, from ``firsts[w][r]`` under a window of w keys
+    (``paged_decode``'s ``cached`` and ``first``), and the new keys ``fresh`` marks are those this rank keeps; the
+    ranks' partial results merge over the group (one all-gather a layer), then the sinks join."""
 
     absorbed = latent_ring = False
 
     def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], tables: torch.Tensor,
-                 contexts: torch.Tensor, fresh: torch.Tensor, kv_scales: list | None):
+                 contexts: torch.Tensor, fresh: torch.Tensor, kv_scales: list | None,
+                 cached: torch.Tensor | None = None, firsts: dict | None = None, merge_group: int | None = None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.tables, self.contexts, self.fresh, self.kv_scales = tables, contexts, fresh, kv_scales
+        self.cached, self.firsts, self.merge_group = cached, firsts, merge_group
         self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V (B, Hkv, D) as cached
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,8 +172,17 @@ class TableAttention:
             self.new_kv.append(codes)
         else:
             self.new_kv.append(own)
-        return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, options["window_size"][0],
-                            options["sinks"], new=own, kv_scales=scales, fresh=self.fresh, by_block=True)[None]
+        window = options["window_size"][0]
+        if self.merge_group is None:
+            return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, window, options["sinks"],
+                                new=own, kv_scales=scales, fresh=self.fresh, by_block=True)[None]
+        out, lse = paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, window, new=own,
+                                kv_scales=scales, fresh=self.fresh, by_block=True, cached=self.cached,
+                                first=self.firsts.get(window), return_lse=True)
+        out, lse = merge_over_group_op(out, lse, self.merge_group)
+        if options["sinks"] is not None:  # once, after the ranks' parts are merged
+            out = add_sinks(out[None], lse.T[None], options["sinks"])[0][0]
+        return out.to(q.dtype)[None]
 
 
 LOGITS = "logits"  # a graph step that applied the LM head reports its ``HeadOutput`` under this key
@@ -175,29 +206,47 @@ class HeadOutput(NamedTuple):
         return logits, [(self.tokens[row], self.logprobs[row]) for row in rows]
 
 
-# the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host)
-IDS, POSITIONS, CONTEXTS, REAL, SLOTS = range(5)
+# the rows of the step's int64 inputs (``DecodeGraph.run`` packs them into one tensor: one copy from the host); on a
+# cp rank two more kinds follow: the cached keys a row reads here, and per window the first of them inside it
+IDS, POSITIONS, CONTEXTS, REAL, SLOTS, CACHED = range(6)
 
 
-def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs):
+def windows(model) -> list[int]:
+    """The distinct sliding windows (keys to the left) of the model's layers, in order: on a cp rank each has its
+    row of the step's inputs (the first cached key inside it)."""
+    lefts = {model.attention_options(layer)["window_size"][0] for layer in range(len(model.layers))}
+    return sorted(left for left in lefts if left >= 0)
+
+
+def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, merge_group=None, head=True):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a real row
-    (0: padding) and cache slot (read after the graph); tables (B, width) int64; fresh (B, band) bool
+    (0: padding) and cache slot (read after the graph); on a cp rank (merge_group: the cp group's key) (6 + windows,
+    B): then the cached keys the row reads here and, per window (``windows``), the first of them inside it;
+    tables (B, width) int64; fresh (B, band) bool
     (``paged_decode``'s); kv_buffer: the runner's cache (layers, 2 (K, V; MLA: 1), blocks, block size, kv heads,
     head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); logits (B, vocab) float32, each
     row's greedy token (B,) int64 and its log-probability (B,) float32 (``HeadOutput``); the MoE layers' expert
     counts over the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as
-    the cache stores them (layers, 2, B, kv heads, head dim)).  Few outputs, each a whole tensor: the caller pays
+    the cache stores them (layers, 2, B, kv heads, head dim)); without ``head`` (a mesh: the driver applies it to
+    the states every rank sends) None for the head's three.  Few outputs, each a whole tensor: the caller pays
     host time per tensor a compiled graph returns (the 26 outputs this step had, routings and K/V apart, cost ~10%
     of a batch-1 step)."""
+    cached = firsts = None
+    if merge_group is not None:
+        cached = meta[CACHED]
+        firsts = {left: meta[CACHED + 1 + i] for i, left in enumerate(windows(model))}
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
-    attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales)
+    attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales,
+                               cached, firsts, merge_group)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention, rope_freqs)
-    logits = model.lm_head(hidden).float()
-    tokens = logits.max(dim=-1).indices  # the first index of the largest value (a NaN's, if the row has one)
-    # the sampler's log-probability (``plain_batch``): NaN where the row holds a NaN or +inf (inf - inf), or only
-    # -inf: NaN marks a row with no choice
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    logits = tokens = logprobs = None
+    if head:
+        logits = model.lm_head(hidden).float()
+        tokens = logits.max(dim=-1).indices  # the first index of the largest value (a NaN's, if the row has one)
+        # the sampler's log-probability (``plain_batch``): NaN where the row holds a NaN or +inf (inf - inf), or
+        # only -inf: NaN marks a row with no choice
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     real = meta[REAL]
     counts = [(F.one_hot(r.topk_idx, r.probs.shape[-1]) * real[:, None, None]).sum((0, 1)) for r in routings]
     new_kv = torch.stack([torch.stack(pair) for pair in attention.new_kv])
@@ -211,6 +260,12 @@ class DecodeGraph:
         self.runner = runner
         self.compiled = compile
         self.pads = runner.device.type == "cuda"  # batches padded to buckets (see the module's docstring)
+        mesh = runner.mesh
+        self.cp, self.cp_rank, self.layout = mesh.cp, mesh.cp_rank, runner.layout
+        # a cp rank attends to the keys it keeps, and the ranks' parts merge over the cp group (``TableAttention``)
+        self.merge_group = group_key(mesh.cp_group) if mesh.cp > 1 else None
+        self.windows = windows(runner.model) if mesh.cp > 1 else []  # each a row of the step's inputs
+        self.head = mesh.size == 1  # the LM head in the graph (a mesh: the driver applies it, ``_decode_step``)
         self.moe_blocks = [layer.mlp for _, layer in runner.model.moe_layers()]
         for block in self.moe_blocks:  # the experts' operator finds these layers (not a copy's)
             block.register_op()
@@ -281,14 +336,17 @@ class DecodeGraph:
         return runs
 
     def _run_scratch(self, rows: int, width: int, band: int) -> None:
-        """One step of ``rows`` padding rows with tables of ``width`` blocks, all in the scratch block."""
+        """One step of ``rows`` padding rows with tables of ``width`` blocks, all in the scratch block (on a cp rank
+        each sees its own key only; on a mesh every rank runs the same ones: they join the step's collectives)."""
         runner, scratch = self.runner, self.runner.scratch_block
-        meta = torch.zeros(5, rows, dtype=torch.long, device=runner.device)
+        meta = torch.zeros(CACHED + 1 + len(self.windows) if self.cp > 1 else CACHED, rows, dtype=torch.long,
+                           device=runner.device)
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
         torch._dynamo.mark_static(meta, 0)
-        self.fn(runner.model, meta, tables, self._fresh(list(range(rows)), band), runner.kv_buffer, runner.kv_scales,
-                self.rope_freqs)
+        fresh = self._fresh(list(range(rows)), band, [True] * rows if self.cp > 1 else None)
+        self.fn(runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
+                self.merge_group, self.head)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -300,21 +358,26 @@ class DecodeGraph:
                     sizes |= {edge - 1, edge}
         return sorted(size for size in sizes if 1 <= size <= max_rows)
 
-    def _fresh(self, group: list[int], band: int) -> torch.Tensor:
+    def _fresh(self, group: list[int], band: int, kept: list[bool] | None = None) -> torch.Tensor:
         """(rows, band) bool on the runner's device: row r sees the new key of row r - j when both rows are of one
-        item (``group``: each row's item, padding rows each their own).  Band 1 (no drafts): all True.  Kept for
-        the steps of the same rows and items that follow (read only by the graph)."""
+        item (``group``: each row's item, padding rows each their own) and, on a cp rank, this rank keeps row r - j's
+        position (``kept``, per row).  Band 1 (no drafts) on one rank: all True.  Kept for the steps of the same rows
+        and items that follow (read only by the graph)."""
         rows = len(group)
-        key = (rows,) if band == 1 else (band, *group)  # (a steady load repeats its steps' shapes: made once each)
+        # (a steady load repeats its steps' shapes: made once each)
+        key = ((rows,) if band == 1 else (band, *group)) + (() if kept is None else ("kept", *kept))
         fresh = self._masks.get(key)
         if fresh is not None:
             return fresh
-        if band == 1:
+        if band == 1 and kept is None:
             fresh = torch.ones(rows, 1, dtype=torch.bool, device=self.device)
         else:  # (~50 us of small tensor ops: a drafting step's host time, were it made at every step)
             item = torch.tensor(group)
             back = torch.arange(rows)[:, None] - torch.arange(band)
-            fresh = ((back >= 0) & (item[back.clamp(min=0)] == item[:, None])).to(self.device)
+            fresh = (back >= 0) & (item[back.clamp(min=0)] == item[:, None])
+            if kept is not None:
+                fresh &= torch.tensor(kept)[back.clamp(min=0)]
+            fresh = fresh.to(self.device)
             torch._dynamo.mark_static(fresh, 1)  # the band is the engine's: a constant of the graph
         if len(self._masks) >= FRESH_MASKS:
             self._masks.clear()
@@ -322,45 +385,69 @@ class DecodeGraph:
         return fresh
 
     @staticmethod
-    def accepts(runner, items: list) -> bool:
-        """Every item one generated token of a paged request (and its drafts, if any, no more than the graph's
-        band holds), nothing else asked of the step."""
+    def accepts(runner, items: list, plan: list[list] | None = None) -> bool:
+        """Every item one generated token (and its drafts, if any, no more than the graph's band holds) of a paged
+        request (on a cp rank: a sharded decode), nothing else asked of the step.  On a mesh ``plan``: every ep
+        group's items (each rank decides on all of them: the same answer everywhere, as the collectives need)."""
         graph = runner.decode_graph  # (and its MoE layers still dropless: no capacity set on one since)
-        return bool(items) and not runner.deterministic and all(block.static_ready for block in graph.moe_blocks) \
-            and all(item.kind == "paged" and len(item.token_ids) == 1 + item.drafts <= graph.band
-            and (item.generated or item.drafts)
-            and not item.copies and item.report_all == bool(item.drafts) for item in items)
+        groups = [items] if plan is None else plan
+        return any(groups) and not runner.deterministic and all(block.static_ready for block in graph.moe_blocks) \
+            and all((item.kind == "decode" if graph.cp > 1
+                     else item.kind == "paged" and (item.generated or item.drafts))
+                    and len(item.token_ids) == 1 + item.drafts <= graph.band
+                    and not item.copies and item.report_all == bool(item.drafts) for group in groups for item in group)
 
-    def run(self, items: list) -> dict:
+    def run(self, items: list, plan: list[list] | None = None) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and {LOGITS: the ``HeadOutput`` of the
-        LM head the graph applied}."""
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and on one process {LOGITS: the
+        ``HeadOutput`` of the LM head the graph applied}.  On a mesh ``plan`` holds every ep group's items: each rank
+        runs as many rows as the largest group (its MoE layers' exchanges take the same shapes from every rank), and
+        on a cp rank only cp rank 0 reports (every cp rank computes the same rows)."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
+        cp, cp_rank = self.cp, self.cp_rank
         ids, positions, slots, owner, cached = [], [], [], [], []  # per row; cached: per item
+        kept, reads, firsts = [], [], [[] for _ in self.windows]  # per row, on a cp rank
         for i, item in enumerate(items):
-            table = item.tables[0]
-            cached.append(table[:-(-item.start // block_size)])  # a row reads from the cache only the keys before
-            for j, token in enumerate(item.token_ids):           # its item (the item's own rows join as new keys)
+            table = item.tables[cp_rank]
+            # a row reads from the cache only the keys before its item (the item's own rows join as new keys)
+            before = item.start if cp == 1 else local_count(item.ring_len, item.start, cp, cp_rank, self.layout)
+            cached.append(table[:-(-before // block_size)])
+            for j, token in enumerate(item.token_ids):
                 position = item.start + j
                 ids.append(token)
                 positions.append(position)
-                slots.append(table[position // block_size] * block_size + position % block_size)
                 owner.append(i)
+                if cp == 1:
+                    slots.append(table[position // block_size] * block_size + position % block_size)
+                    continue
+                # a cp rank keeps the generated positions round-robin; the others' K/V go to the scratch block
+                mine = position % cp == cp_rank
+                local = local_count(item.ring_len, position, cp, cp_rank, self.layout) if mine else 0
+                slots.append(table[local // block_size] * block_size + local % block_size if mine
+                             else scratch * block_size)
+                kept.append(mine)
+                reads.append(before)
+                for row, left in zip(firsts, self.windows):  # this rank's keys are in position order
+                    row.append(local_count(item.ring_len, max(0, position - left), cp, cp_rank, self.layout))
         real = len(ids)
-        rows = bucket(real) if self.pads else real
+        rows = real if plan is None else max(sum(len(item.token_ids) for item in group) for group in plan)
+        rows = bucket(rows) if self.pads else rows
         pad = rows - real
-        width = max(MIN_WIDTH, bucket(max(map(len, cached))))
+        width = max(MIN_WIDTH, bucket(max(map(len, cached), default=1)))
         tables = [cached[i] + [scratch] * (width - len(cached[i])) for i in owner] + [[scratch] * width] * pad
         # padding rows decode token 0 at position 0 into the scratch block
         # (made by torch.tensor: its storage 64-byte aligned, as inductor's code assumes of an input, which it
         # would copy otherwise; a tensor over a Python array's buffer is not)
-        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
-                             [1] * real + [0] * pad, slots + [scratch * block_size] * pad], dtype=torch.long,
-                            device=self.device)
+        meta = [ids + [0] * pad, positions + [0] * pad, [p + 1 for p in positions] + [1] * pad,
+                [1] * real + [0] * pad, slots + [scratch * block_size] * pad]
+        if cp > 1:
+            meta += [row + [0] * pad for row in [reads, *firsts]]
+        meta = torch.tensor(meta, dtype=torch.long, device=self.device)
         # a step with no drafts runs the graph of band 1 (compiled too: ``warm_up``); its rows see their own key only
         band = 1 if real == len(items) else self.band
-        fresh = self._fresh(owner + list(range(len(items), len(items) + pad)), band)  # padding rows: own items
+        fresh = self._fresh(owner + list(range(len(items), len(items) + pad)), band,  # padding rows: own items
+                            kept + [True] * pad if cp > 1 else None)
         # the last step's tables tensor serves again while no request took a new block (the graph only reads it);
         # -1 (outside the window) clamped to a real block
         if tables != self._tables[0]:
@@ -375,7 +462,8 @@ class DecodeGraph:
                 if not block.c_binding_current():
                     block.bind_c_experts()
         hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.kv_buffer,
-                                                                   runner.kv_scales, self.rope_freqs)
+                                                                   runner.kv_scales, self.rope_freqs,
+                                                                   self.merge_group, self.head)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         self._kv_slots.index_copy_(2, meta[SLOTS], new_kv)
@@ -386,7 +474,7 @@ class DecodeGraph:
         self.steps += 1
         self.drafts_verified += real - len(items)
         reports, first, spans = {}, 0, {}
-        for item in items:
+        for item in items if cp_rank == 0 else ():
             count = len(item.token_ids)
             spans[item.request_id] = (first, count)
             if item.drafts:
@@ -394,5 +482,6 @@ class DecodeGraph:
             if item.report:
                 reports[item.request_id] = hidden[first + count - 1]
             first += count
-        reports[LOGITS] = HeadOutput(logits, tokens.tolist(), logprobs.tolist(), spans)
+        if self.head:
+            reports[LOGITS] = HeadOutput(logits, tokens.tolist(), logprobs.tolist(), spans)
         return reports

@@ -495,7 +495,7 @@ class Engine:
             reports = self.runner.mtp_step(plan[self.mesh.ep_rank])
             return {key: value.cpu() for key, value in reports.items()} if self.mesh.size > 1 else reports, {}
         with self._invariance():
-            reports = self.runner.step(plan[self.mesh.ep_rank])
+            reports = self.runner.step(plan[self.mesh.ep_rank], plan if self.mesh.size > 1 else None)
         if self.mesh.size > 1:  # they travel pickled to the driver: host memory, not this rank's GPU
             reports = {key: value.cpu() for key, value in reports.items()}
         ring = self.runner.ring_stats.totals("forward") if self.runner.ring_stats.forward else None
@@ -510,8 +510,11 @@ class Engine:
         """This rank's MoE figures of the step it ran: assignments per expert and per rank, tokens dropped, and the
         rows its experts computed."""
         counts = self.runner.expert_counts
-        if counts is not None:  # a decode graph's step (one rank, dropless): its counts of every layer at once
+        if counts is not None:  # a decode graph's step (dropless): its counts of every layer at once
             per_expert = counts.sum(0).tolist()
+            if self.mesh.size > 1:  # of this rank's rows only: the driver adds every rank's (``_stats``)
+                return {"tokens_per_expert": per_expert, "tokens_per_rank": [], "dropped_tokens": 0,
+                        "expert_rows": 0, "own_rows": True}
             return {"tokens_per_expert": per_expert, "tokens_per_rank": [], "dropped_tokens": 0,
                     "expert_rows": sum(per_expert)}
         moe = [stats for stats in self.model.moe_stats() if stats is not None]
@@ -703,6 +706,8 @@ class Engine:
 
     def _stats(self, batches, rank_stats: list[dict], seconds: float) -> StepStats:
         groups = self.groups
+        if any(s.get("own_rows") for s in rank_stats):
+            rank_stats = self._rows_to_experts(rank_stats)
         for row, mine in zip(self.rank_report, rank_stats if len(rank_stats) == len(self.rank_report) else []):
             blocks = groups[row["ep_rank"]].blocks
             blocks = blocks.ranks[row["cp_rank"]] if isinstance(blocks, ShardedBlocks) else blocks
@@ -724,6 +729,22 @@ class Engine:
             dropped_tokens=sum(s["dropped_tokens"] for s in rank_stats),
             prefix_query_tokens=sum(g.blocks.queried_tokens for g in groups),
         )
+
+    def _rows_to_experts(self, rank_stats: list[dict]) -> list[dict]:
+        """The figures of a decode graph's step on a mesh, where each rank counted its own rows' assignments per
+        expert, as an eager step reports them: on every rank with ep rank 0 its ep group's counts (its rows and its
+        peers'), on every rank the assignments its experts computed (``expert_rows``), per ep rank ``tokens_per_rank``
+        (rank stats in rank order: rank r is cp rank r // ep, ep rank r % ep)."""
+        ep = self.mesh.ep
+        local = len(rank_stats[0]["tokens_per_expert"]) // ep
+        mended = []
+        for rank, mine in enumerate(rank_stats):
+            peers = rank_stats[rank - rank % ep:rank - rank % ep + ep]  # its ep group: the same cp rank
+            group = [sum(column) for column in zip(*(peer["tokens_per_expert"] for peer in peers))]
+            per_rank = [sum(group[e * local:(e + 1) * local]) for e in range(ep)]
+            mended.append(mine | {"tokens_per_expert": group, "tokens_per_rank": per_rank if ep > 1 else [],
+                                  "expert_rows": per_rank[rank % ep]})
+        return mended
 
     # -- offline ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -13,6 +13,7 @@ single one (prefix caching is off under cp > 1: ring prefill computes whole sequ
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from functools import lru_cache
 
 from ..parallel.layout import positions as layout_positions
@@ -38,7 +39,7 @@ def owned_prefill_positions(ring_len: int, cp: int, cp_rank: int, layout: str) -
 def local_count(ring_len: int, upto: int, cp: int, cp_rank: int, layout: str) -> int:
     """How many of positions [0, upto) rank cp_rank keeps."""
     prefill = owned_prefill_positions(ring_len, cp, cp_rank, layout)
-    count = sum(1 for p in prefill if p < upto)
+    count = bisect_left(prefill, upto)  # (increasing: a search, where a count would walk the prompt per call)
     if upto > ring_len:  # round-robin positions ring_len .. upto - 1
         count += (upto - 1 - cp_rank) // cp - (ring_len - 1 - cp_rank) // cp
     return count

@@ -122,7 +122,7 @@ class ModelRunner:
         # a decode graph's step: its real rows' assignments per MoE layer and expert (moe layers, E) int64, read once
         # by the engine (the layers' ``last_stats`` are made from them only when read); None after any other step
         self.expert_counts: torch.Tensor | None = None
-        self.decode_graph = None  # a model that cannot run the fixed-shape step (a mesh, MLA...) never has one
+        self.decode_graph = None  # a model that cannot run the fixed-shape step (MLA, capacity...) never has one
         if decode_graph != "off" and model.static_ready:
             self.decode_graph = DecodeGraph(self, decode_graph == "compiled")
 
@@ -245,13 +245,15 @@ class ModelRunner:
         return self._reports(spans, hidden)
 
     @torch.no_grad()
-    def step(self, items: list[WorkItem]) -> dict:
+    def step(self, items: list[WorkItem], plan: list[list[WorkItem]] | None = None) -> dict:
         """Run this rank's items (possibly none); {request_id: hidden (hidden_size,)} for reported items held here
         (and {("all", request_id): hidden (n, hidden_size)} for items marked report_all).  The rows of ring items
-        marked ``keep_hidden`` stay on this rank (``kept``) for the MTP pass that follows the step."""
+        marked ``keep_hidden`` stay on this rank (``kept``) for the MTP pass that follows the step.  On a mesh
+        ``plan``: every ep group's items, this rank's among them (whether the step runs as a decode graph is decided
+        on all of them, the same way on every rank)."""
         self.kept, self.expert_counts = {}, None
-        if self.decode_graph is not None and DecodeGraph.accepts(self, items):
-            return self.decode_graph.run(items)
+        if self.decode_graph is not None and DecodeGraph.accepts(self, items, plan):
+            return self.decode_graph.run(items, plan)
         copies = [c for item in items for c in item.copies or ()]
         if copies:
             self.copy_blocks(copies)

@@ -22,11 +22,11 @@ paths run with one "K/V head".
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..attention import decode_attention, merge_attention
+from ..attention import decode_attention
 from ..attention.paged import paged_attention
 from ..attention.sinks import add_sinks
+from ..parallel.graph_collectives import merge_over_group
 from ..parallel.ring import ring_flash_attn_func
 from ..parallel.ulysses import usp_attn_func
 from .placement import local_count, owned_prefill_positions
@@ -96,7 +96,7 @@ class StepAttention:
                 out_parts.append(o[0, 0])
                 lse_parts.append(lse[0, :, 0])
                 rows.append(offset + row)
-        merged, merged_lse = _merge_over_group(runner.mesh.cp_group, torch.stack(out_parts), torch.stack(lse_parts))
+        merged, merged_lse = merge_over_group(runner.mesh.cp_group, torch.stack(out_parts), torch.stack(lse_parts))
         if options["sinks"] is not None:  # once, after the ranks' parts are merged
             merged = add_sinks(merged[None], merged_lse.T[None], options["sinks"])[0][0]
         out[rows] = merged.to(q.dtype)
@@ -114,19 +114,3 @@ class StepAttention:
         real = len(owned_prefill_positions(item.ring_len, runner.mesh.cp, runner.mesh.cp_rank, runner.layout))
         runner.write(layer, runner.slots(item.tables[runner.mesh.cp_rank], range(real)), k[offset:offset + real],
                      v[offset:offset + real])
-
-
-def _merge_over_group(group, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention (out (n, heads, D), lse (n, heads)) over every rank's keys from each rank's partial result."""
-    if group is None:
-        return out, lse
-    world = dist.get_world_size(group)
-    outs = [torch.empty_like(out) for _ in range(world)]
-    lses = [torch.empty_like(lse) for _ in range(world)]
-    dist.all_gather(outs, out.contiguous(), group=group)
-    dist.all_gather(lses, lse.contiguous(), group=group)
-    merged, merged_lse = outs[0], lses[0]
-    for o, s in zip(outs[1:], lses[1:]):  # the same order on every rank: identical results
-        merged, merged_lse = merge_attention(merged[None], merged_lse.T[None], o[None], s.T[None])
-        merged, merged_lse = merged[0], merged_lse[0].T
-    return merged, merged_lse
