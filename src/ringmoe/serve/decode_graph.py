@@ -92,9 +92,11 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def compile_options(device: torch.device) -> dict:
+def compile_options(device: torch.device, mesh_size: int = 1) -> dict:
     """torch.compile's options for the decode step.  On a GPU each bucket's step is also recorded as a CUDA graph
-    (one launch per step: what ``mode="reduce-overhead"`` does); on a CPU inductor writes the code between its
+    (one launch per step: what ``mode="reduce-overhead"`` does), but on a mesh (``mesh_size`` ranks): the step's
+    collectives are operators whose kernels call the process group from Python (``graph_collectives``), which a
+    graph replay would not run (not verified on GPUs: none was lent); on a CPU inductor writes the code between its
     kernels in C++ (its Python wrapper spends ~0.3 ms of a batch-1 step making views and checking strides).  The
     model's modules are not guarded: before each call torch.compile would otherwise check every parameter and
     module attribute it read (~0.1 ms), and a served model never changes them (torch >= 2.8).  Measured on 2
@@ -103,7 +105,7 @@ def compile_options(device: torch.device) -> dict:
     the graphs are made at ``warm_up`` and a serving process never rebinds them; a batch-1 step 1.06x (1.89 ->
     1.78 ms, in one process, an engine of each side by side).  Only the inputs (shapes, dtypes) and the ambient
     state (grad mode...) stay guarded."""
-    options = {"triton.cudagraphs": True} if device.type == "cuda" else {"cpp_wrapper": True}
+    options = {"triton.cudagraphs": mesh_size == 1} if device.type == "cuda" else {"cpp_wrapper": True}
     modules = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
     globals_ = getattr(torch.compiler, "skip_guard_on_globals_unsafe", None)
     if modules is not None and globals_ is not None:
@@ -130,7 +132,8 @@ def compiled_step(model) -> object:
     if step is None:
         code = _decode_step.__code__.replace(co_name=f"_decode_step_{next(_COPIES)}")
         function = types.FunctionType(code, _decode_step.__globals__, code.co_name)
-        step = torch.compile(function, dynamic=True, options=compile_options(model.embed_tokens.weight.device))
+        step = torch.compile(function, dynamic=True,
+                             options=compile_options(model.embed_tokens.weight.device, model.mesh.size))
         _COMPILED[model] = step
     return step
 
