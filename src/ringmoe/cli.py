@@ -57,6 +57,8 @@ def _add_demo(sub) -> None:
     demo.add_argument("--train-steps", type=_positive, default=900,
                       help="optimizer steps of the demo model's training (default 900, about two minutes on 2 cores; "
                            "a different count trains and caches a model of its own)")
+    demo.add_argument("--enforce-eager", action="store_true",
+                      help="serve with eager decode steps (default: each rank compiles its decode step at start-up)")
 
 
 def _add_check(sub) -> None:
@@ -514,7 +516,8 @@ def _run(args) -> int:
     if args.command == "demo":
         from .apps.demo import DemoOptions, run_demo
 
-        return 0 if run_demo(DemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain, train_steps=args.train_steps)) else 1
+        return 0 if run_demo(DemoOptions(cp=args.cp, ep=args.ep, retrain=args.retrain, train_steps=args.train_steps,
+                                         enforce_eager=args.enforce_eager)) else 1
     from .apps.check import CheckOptions, run_check, run_check_torchrun
 
     options = CheckOptions(preset=args.preset, checkpoint=args.checkpoint, cp=args.cp, ep=args.ep,

@@ -48,11 +48,13 @@ class DemoOptions:
     new_tokens: int = 24
     retrain: bool = False
     train_steps: int = 900
+    enforce_eager: bool = False  # serve with eager decode steps (default: compiled on every rank at start-up)
 
 
-def _start_server(checkpoint: Path, cp: int, ep: int, port: int) -> subprocess.Popen:
+def _start_server(checkpoint: Path, cp: int, ep: int, port: int, enforce_eager: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ringmoe.cli", "serve", "--model", str(checkpoint), "--cp", str(cp), "--ep", str(ep),
            "--port", str(port), "--served-model-name", "demo", "--kv-cache-tokens", "16384"]
+    cmd += ["--enforce-eager"] if enforce_eager else []
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -181,9 +183,12 @@ def run_demo(options: DemoOptions) -> bool:
     url = f"http://127.0.0.1:{port}"
     world = options.cp * options.ep
     launched = time.monotonic()
-    proc = _start_server(checkpoint, options.cp, options.ep, port)
+    proc = _start_server(checkpoint, options.cp, options.ep, port, options.enforce_eager)
+    if not options.enforce_eager:
+        console.print("[dim]every rank compiles its decode step at start-up (a minute or more the first time on a "
+                      "small machine; inductor's cache on disk makes a restart fast)[/]")
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, 900)
         console.print(f"[bold]ringmoe serve[/] on {url}: cp={options.cp} x ep={options.ep}, {world} ranks "
                       f"(pids {_descendants(proc.pid)[:world]}), up in {time.monotonic() - launched:.1f} s")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
