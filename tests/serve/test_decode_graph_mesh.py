@@ -14,6 +14,8 @@ from ringmoe.parallel.launch import spawn
 from ringmoe.serve import Engine, SamplingParams
 from ringmoe.serve.decode_graph import LOGITS, DecodeGraph
 
+from .test_window_cache import _greedy_reference
+
 NEW = 7
 # gpt-oss's attention: a sliding window on every other layer and a learned sink per head
 WINDOWED = dict(attention_sinks=True, sliding_window=6, layer_types=("sliding_attention", "full_attention"))
@@ -32,14 +34,6 @@ def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (5, 13, 2)]
     return prompts + [torch.randperm(128, generator=gen).tolist()]
-
-
-def _greedy_reference(model: MoETransformer, prompt: list[int]) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(NEW):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def _checked(runner) -> list[float]:
@@ -114,7 +108,7 @@ def test_fixed_shape_decode_steps_on_meshes_equal_the_eager_steps(cp, ep, layout
     tokens, _, _, experts = results[0]
     model = _model(settings)
     if not speculate:  # (drafting changes no token: the same reference)
-        assert tokens == [_greedy_reference(model, prompt) for prompt in _prompts()]
+        assert tokens == [_greedy_reference(model, prompt, NEW) for prompt in _prompts()]
     eager = _run(cp, ep, layout, "off", settings, speculate)[0]
     assert tokens == eager[0]
     assert experts == eager[3] and sum(experts[0]) > 0
@@ -135,7 +129,7 @@ def test_compiled_decode_steps_on_a_2x2_mesh_equal_the_eager_steps():
     ``test_decode_graph.py`` and on meshes by ``bench_mesh_decode.py``)."""
     results = _run(2, 2, "zigzag", "compiled", WINDOWED, max_num_seqs=1)
     model = _model(WINDOWED)
-    assert results[0][0] == [_greedy_reference(model, prompt) for prompt in _prompts()]
+    assert results[0][0] == [_greedy_reference(model, prompt, NEW) for prompt in _prompts()]
     for _, diffs, (steps, _), _ in results:
         assert steps > 0 and len(diffs) == steps
         assert max(diffs) < 1e-5

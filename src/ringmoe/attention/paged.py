@@ -249,15 +249,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         new_scores = (qg[:, :, :, None, :] * new_k).sum(-1) * scale                        # (n, Hkv, G, band)
         new_scores = new_scores.masked_fill(~seen[:, None, None, :], float("-inf"))
         new_lse = torch.logsumexp(new_scores, dim=-1)  # finite where a row sees its own key (always, but on a cp rank)
-        if partial:  # a row that sees no key here: -inf read as 0 where it is subtracted (weights 0, not NaN)
-            shift, merged = _finite(new_lse), torch.logaddexp(lse, new_lse)
-            new_out = (torch.exp(new_scores - shift[..., None])[..., None] * new_v).sum(-2)
-            finite = _finite(merged)
-            out = out * torch.exp(lse - finite)[..., None] + new_out * torch.exp(new_lse - finite)[..., None]
-        else:
-            new_out = (torch.exp(new_scores - new_lse[..., None])[..., None] * new_v).sum(-2)  # (n, Hkv, G, D)
-            merged = torch.logaddexp(lse, new_lse)
-            out = out * torch.exp(lse - merged)[..., None] + new_out * torch.exp(new_lse - merged)[..., None]
+        merged = torch.logaddexp(lse, new_lse)
+        # what each side's scores are shifted by; on a cp rank a row may see no key here: -inf read as 0 (weights 0,
+        # not NaN)
+        new_shift, shift = (_finite(new_lse), _finite(merged)) if partial else (new_lse, merged)
+        new_out = (torch.exp(new_scores - new_shift[..., None])[..., None] * new_v).sum(-2)  # (n, Hkv, G, D)
+        out = out * torch.exp(lse - shift)[..., None] + new_out * torch.exp(new_lse - shift)[..., None]
         lse = merged
     out = out.reshape(n, heads, dim)
     if return_lse:
@@ -305,8 +302,7 @@ def _logsumexp_by_block(scores: torch.Tensor, block_size: int) -> torch.Tensor:
     the longer one over K / block_size terms: inductor compiles a float32 sum of more than 4096 terms in another
     form and guards the graph on the length, so a single sum over the keys would make contexts past 4096 keys
     a second graph (here: past 4096 blocks)."""
-    peak = scores.amax(-1, keepdim=True)
-    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    peak = _finite(scores.amax(-1, keepdim=True))
     blocks = torch.exp(scores - peak).unflatten(-1, (-1, block_size)).sum(-1)
     return torch.log(blocks.sum(-1)) + peak[..., 0]
 

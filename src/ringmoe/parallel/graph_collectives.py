@@ -19,8 +19,6 @@ An operator takes tensors and numbers, not process groups: a group is registered
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -29,18 +27,17 @@ from ..operators import LIBRARY
 
 __all__ = ["group_key", "gather_rows", "sum_rows", "merge_over_group"]
 
-_GROUPS: dict[int, object] = {}
-_KEYS_OF: dict[int, int] = {}  # id(group) -> its key
-_KEYS = itertools.count()
+_GROUPS: list = []  # a group's key is its place here
 
 
 def group_key(group) -> int:
-    """The int under which the operators find ``group`` (a process group; registered once, for the process)."""
-    key = _KEYS_OF.get(id(group))
-    if key is None or _GROUPS.get(key) is not group:
-        key = next(_KEYS)
-        _GROUPS[key], _KEYS_OF[id(group)] = group, key
-    return key
+    """The int under which the operators find ``group`` (a process group; registered once, for the process: a
+    process holds a few)."""
+    for key, known in enumerate(_GROUPS):
+        if known is group:
+            return key
+    _GROUPS.append(group)
+    return len(_GROUPS) - 1
 
 
 def gather_rows(x: torch.Tensor, group) -> torch.Tensor:

@@ -421,14 +421,14 @@ class DecodeGraph:
                 ids.append(token)
                 positions.append(position)
                 owner.append(i)
-                if cp == 1:
-                    slots.append(table[position // block_size] * block_size + position % block_size)
-                    continue
-                # a cp rank keeps the generated positions round-robin; the others' K/V go to the scratch block
-                mine = position % cp == cp_rank
-                local = local_count(item.ring_len, position, cp, cp_rank, self.layout) if mine else 0
+                # a cp rank keeps the generated positions round-robin, each at its local index; the others' K/V go
+                # to the scratch block
+                mine = cp == 1 or position % cp == cp_rank
+                local = position if cp == 1 else local_count(item.ring_len, position, cp, cp_rank, self.layout)
                 slots.append(table[local // block_size] * block_size + local % block_size if mine
                              else scratch * block_size)
+                if cp == 1:
+                    continue
                 kept.append(mine)
                 reads.append(before)
                 for row, left in zip(firsts, self.windows):  # this rank's keys are in position order

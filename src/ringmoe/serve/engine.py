@@ -512,11 +512,11 @@ class Engine:
         counts = self.runner.expert_counts
         if counts is not None:  # a decode graph's step (dropless): its counts of every layer at once
             per_expert = counts.sum(0).tolist()
-            if self.mesh.size > 1:  # of this rank's rows only: the driver adds every rank's (``_stats``)
-                return {"tokens_per_expert": per_expert, "tokens_per_rank": [], "dropped_tokens": 0,
-                        "expert_rows": 0, "own_rows": True}
-            return {"tokens_per_expert": per_expert, "tokens_per_rank": [], "dropped_tokens": 0,
-                    "expert_rows": sum(per_expert)}
+            figures = {"tokens_per_expert": per_expert, "tokens_per_rank": [], "dropped_tokens": 0,
+                       "expert_rows": sum(per_expert)}
+            if self.mesh.size > 1:  # of this rank's rows only: the driver adds every rank's (``_rows_to_experts``)
+                figures |= {"expert_rows": 0, "own_rows": True}
+            return figures
         moe = [stats for stats in self.model.moe_stats() if stats is not None]
         per_expert = sum(s.tokens_per_expert for s in moe).tolist() if moe else []
         by_rank = moe and moe[0].tokens_per_rank is not None
