@@ -16,6 +16,12 @@ from .served import harmony_checkpoint, served_checkpoint  # noqa: E402,F401
 
 import pytest  # noqa: E402
 
+from ringmoe.serve.compiled_dispatch import CompiledDispatch  # noqa: E402
+
+# every direct call of a compiled decode graph also checks that graph's guards (a key that does not fix what they
+# read fails the test that meets it; spawned ranks set it themselves)
+CompiledDispatch.verify = True
+
 # parametrized cases too long for `make test` (they run in `make test-all`): the 2 x 2 mesh server's load tests
 SLOW_CASES = {
     "tests/serve/test_server.py::test_bounded_load_without_errors[2x2]",

@@ -42,6 +42,8 @@ def _run(model, mode: str, prompts, new: int = 12, pads: bool | None = None, **e
     order = sorted(finals, key=lambda rid: int(rid.split("-")[-1]) if rid.split("-")[-1].isdigit() else rid)
     graph = engine.runner.decode_graph
     engine.blocks.check_integrity()
+    if mode == "compiled" and not graph.pads and graph.steps > 2 * len(prompts):  # steps of shapes met before
+        assert graph.dispatch.direct_calls > 0  # ran their graphs directly (the guards checked: ``conftest``)
     return ([finals[r].output_ids for r in order], [torch.stack(logits[r]) for r in order],
             graph.steps if graph is not None else 0, engine)
 

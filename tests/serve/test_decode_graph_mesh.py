@@ -12,6 +12,7 @@ from ringmoe.model import MoETransformer, preset
 from ringmoe.parallel import make_mesh
 from ringmoe.parallel.launch import spawn
 from ringmoe.serve import Engine, SamplingParams
+from ringmoe.serve.compiled_dispatch import CompiledDispatch
 from ringmoe.serve.decode_graph import LOGITS, DecodeGraph
 
 from .test_window_cache import _greedy_reference
@@ -60,6 +61,7 @@ def _checked(runner) -> list[float]:
 
 
 def _rank(rank, world, cp, ep, layout, mode, settings, speculate, forms, max_num_seqs):
+    CompiledDispatch.verify = True  # (as ``tests/conftest.py`` sets it in the test process)
     model = _model(settings, make_mesh(cp, ep), layout)
     for _, layer in model.moe_layers():  # the experts' form from these token counts on (``forward_static``)
         layer.mlp.gathered_below, layer.mlp.dense_below = forms

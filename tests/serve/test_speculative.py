@@ -107,9 +107,9 @@ def test_the_decode_graph_verifies_drafts(family, mode):
     for settings, drafter in runs:
         engine = Engine(model, block_size=4, speculative_config=NGRAM, decode_graph=mode, max_num_seqs=4, **settings)
         graph = engine.runner.decode_graph
-        bands, run, step = [], graph.run, graph.fn  # per graph step: (items carry drafts, the band it ran)
+        bands, run, step = [], graph.run, graph.call  # per graph step: (items carry drafts, the band it ran)
         graph.run = lambda items, plan=None: (bands.append([any(item.drafts for item in items)]), run(items, plan))[1]
-        graph.fn = lambda *args: (bands[-1].append(args[3].shape[1]), step(*args))[1]
+        graph.call = lambda *args: (bands[-1].append(args[3].shape[1]), step(*args))[1]
         compiled_before = counters["stats"]["unique_graphs"]
         got, logprobs = _decode(engine, drafter=drafter)
         assert got == want, (settings, drafter)

@@ -75,6 +75,7 @@ from ..float8 import decode_e4m3, encode_e4m3
 from ..moe.layer import release_freed_c_experts
 from ..parallel.graph_collectives import group_key, merge_over_group_op
 from ..prepacked import DecodePanels
+from .compiled_dispatch import CompiledDispatch
 from .placement import local_count
 
 __all__ = ["DecodeGraph", "HeadOutput", "LOGITS", "bucket"]
@@ -283,6 +284,9 @@ class DecodeGraph:
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
         self.fn = compiled_step(runner.model) if compile else _decode_step
+        # on a CPU each graph is called without torch.compile's entry once a step of its shapes ran through it
+        # (``compiled_dispatch``; on a GPU the entry stays: that way is not verified there)
+        self.dispatch = CompiledDispatch(self.fn) if compile and runner.device.type == "cpu" else None
         # the cache's sizes are constants of the graph, but for its number of blocks (engines of one model share
         # its graphs): a symbolic size is one more integer to convert at each call
         for dim in (0, 1, 3, 4, 5):
@@ -348,8 +352,17 @@ class DecodeGraph:
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
         torch._dynamo.mark_static(meta, 0)
         fresh = self._fresh(list(range(rows)), band, [True] * rows if self.cp > 1 else None)
-        self.fn(runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
-                self.merge_group, self.head)
+        self.call(runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
+                  self.merge_group, self.head)
+
+    def call(self, *args):
+        """The step's function (``_decode_step``'s arguments): compiled, on a CPU through ``dispatch`` keyed by
+        what its graphs' guards read (rows, table width, band, grad mode: the other inputs' shapes and dtypes are
+        the engine's constants)."""
+        if self.dispatch is None:
+            return self.fn(*args)
+        meta, tables, fresh = args[1:4]
+        return self.dispatch((meta.shape[1], tables.shape[1], fresh.shape[1], torch.is_grad_enabled()), args)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -464,9 +477,9 @@ class DecodeGraph:
             for block in self.moe_blocks:  # weights changed since they were bound: bound anew (or unbound: stale)
                 if not block.c_binding_current():
                     block.bind_c_experts()
-        hidden, logits, tokens, logprobs, counts, new_kv = self.fn(runner.model, meta, tables, fresh, runner.kv_buffer,
-                                                                   runner.kv_scales, self.rope_freqs,
-                                                                   self.merge_group, self.head)
+        hidden, logits, tokens, logprobs, counts, new_kv = self.call(runner.model, meta, tables, fresh,
+                                                                     runner.kv_buffer, runner.kv_scales,
+                                                                     self.rope_freqs, self.merge_group, self.head)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         self._kv_slots.index_copy_(2, meta[SLOTS], new_kv)
