@@ -20,9 +20,10 @@ the accepted drafts would give if verifying them cost nothing (each run's prefil
 MTP (``--only mtp``): the demo's size in DeepSeek-V3's form trained with its multi-token prediction module by the
 demo's recipe (``apps.demo_model.MTP_TRAINING``: ``ringmoe train --preset deepseek-v3-demo --mtp``, cached), exported
 with its MTP layer and served by the engine with ``{"method": "mtp", "num_speculative_tokens": k}``, k = 1, 2, on
-held-out files (the validation split the training never saw), greedy; eager engine (MLA has no compiled decode
-graph).  Also the training's teacher-forced figure: how often the module's first draft equals the model's next
-greedy token on held-out text.
+held-out files (the validation split the training never saw), greedy; the compiled decode graph (MLA's latent
+cache inside it) verifies the drafts and runs the plain engine's steps; the MTP module's own step is eager.
+Also the training's teacher-forced figure: how often the module's first draft equals the model's next greedy token
+on held-out text.
 
 Writes benchmarks/results/spec.json (one run of one part keeps the other part's figures) and spec.png.
 
@@ -123,10 +124,12 @@ def plot(data, path):
     ax.set_title("n-gram speculative decoding, stdlib code completion, demo model")
     ax.legend()
     levels = sorted({r["concurrency"] for r in mtp_rows})
-    for k in sorted({r["k"] for r in mtp_rows}):
-        ys = [next(r["tokens_per_s"] for r in mtp_rows if r["concurrency"] == c and r["k"] == k) for c in levels]
-        ax2.plot(levels, ys, marker="o", label=f"MTP, {k} draft(s)" if k else "no speculation",
-                 linestyle="--" if not k else "-")
+    for graph in sorted({r.get("compiled", False) for r in mtp_rows}):
+        for k in sorted({r["k"] for r in mtp_rows}):
+            ys = [next(r["tokens_per_s"] for r in mtp_rows if r["concurrency"] == c and r["k"] == k
+                       and r.get("compiled", False) == graph) for c in levels]
+            ax2.plot(levels, ys, marker="o", linestyle="--" if not k else "-",
+                     label=("compiled, " if graph else "eager, ") + (f"MTP, {k} draft(s)" if k else "no speculation"))
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("concurrent requests")
     ax2.set_ylabel("output tokens / s")
@@ -137,32 +140,41 @@ def plot(data, path):
 
 
 def mtp_part(levels: list[int], new: int) -> dict:
-    """The MTP rows: plain vs k = 1, 2 drafts at each concurrency, and the training's teacher-forced acceptance."""
+    """The MTP rows: plain vs k = 1, 2 drafts at each concurrency, eager and with the compiled decode graph, and the
+    training's teacher-forced acceptance."""
     from ringmoe.text import Tokenizer
 
     path = trained_demo_checkpoint(default_cache() / "demo-deepseek-mtp", training=MTP_TRAINING)
     training = json.loads((path.parent / "summary.json").read_text())
     tokenizer = Tokenizer(path)
-    rows = []
+    rows, variants = [], [(k, graph) for graph in (False, True) for k in (0, 1, 2)]
     for concurrency in levels:
         prompt_ids = prompts(tokenizer, max(4, concurrency), held_out=True)
         outputs = {}
         measured = run(path, prompt_ids, concurrency, new,
-                       {k: ({"method": "mtp", "num_speculative_tokens": k} if k else None, False) for k in (0, 1, 2)})
-        for k in (0, 1, 2):
-            row, outputs[k] = measured[k]
-            row.update(concurrency=concurrency, k=k)
+                       {(k, graph): ({"method": "mtp", "num_speculative_tokens": k} if k else None, graph)
+                        for k, graph in variants})
+        for k, graph in variants:
+            row, outputs[k, graph] = measured[k, graph]
+            row.update(concurrency=concurrency, k=k, compiled=graph)
             rows.append(row)
-            print(f"c={concurrency:3d} mtp k={k}: {row['tokens_per_s']:7.1f} tok/s  mean accepted length "
-                  f"{row['mean_accepted_length']:.2f}  per position {row['acceptance_per_position']}", flush=True)
-        for row in rows[-3:]:
-            row["same_tokens_as_plain"] = outputs[row["k"]] == outputs[0]
-            row["repeated_share"] = repeated_share(prompt_ids, outputs[0])
-            row["sample_outputs"] = [tokenizer.decode(ids) for ids in outputs[0][:2]]
-    summary = {str(c): {f"mtp_k{k}_vs_plain": next(r["tokens_per_s"] for r in rows if r["concurrency"] == c
-                                                   and r["k"] == k)
-                        / next(r["tokens_per_s"] for r in rows if r["concurrency"] == c and r["k"] == 0)
-                        for k in (1, 2)} for c in levels}
+            print(f"c={concurrency:3d} {'compiled' if graph else 'eager':8s} mtp k={k}: {row['tokens_per_s']:7.1f} "
+                  f"tok/s  mean accepted length {row['mean_accepted_length']:.2f}  per position "
+                  f"{row['acceptance_per_position']}", flush=True)
+        for row in rows[-len(variants):]:
+            row["same_tokens_as_plain"] = outputs[row["k"], row["compiled"]] == outputs[0, False]
+            row["repeated_share"] = repeated_share(prompt_ids, outputs[0, False])
+            row["sample_outputs"] = [tokenizer.decode(ids) for ids in outputs[0, False][:2]]
+
+    def speed(c, k, graph):
+        return next(r["tokens_per_s"] for r in rows if r["concurrency"] == c and r["k"] == k
+                    and r["compiled"] == graph)
+
+    summary = {str(c): {**{f"mtp_k{k}_vs_plain": speed(c, k, False) / speed(c, 0, False) for k in (1, 2)},
+                        **{f"compiled_mtp_k{k}_vs_plain_compiled": speed(c, k, True) / speed(c, 0, True)
+                           for k in (1, 2)},
+                        "best_mtp_vs_best_plain": max(speed(c, k, g) for k in (1, 2) for g in (False, True))
+                        / max(speed(c, 0, g) for g in (False, True))} for c in levels}
     return {"training": {key: training.get(key) for key in ("steps", "val_loss", "unigram_entropy", "mtp_val_loss",
                                                              "mtp_draft_acceptance")},
             "recipe": MTP_TRAINING, "rows": rows, "summary": summary}

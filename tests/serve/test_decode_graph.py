@@ -11,7 +11,7 @@ from ringmoe.model import MoETransformer, preset
 from ringmoe.serve import Engine, SamplingParams
 from ringmoe.serve.decode_graph import bucket
 
-FAMILIES = ["tiny", "gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "qwen3-moe-dense-tiny"]
+FAMILIES = ["tiny", "gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "qwen3-moe-dense-tiny", "deepseek-v3-tiny"]
 
 
 def _model(name: str, dtype=torch.float64, seed: int = 0) -> MoETransformer:
@@ -121,18 +121,20 @@ def test_the_lm_head_is_stored_input_major_on_cpus():
     assert weight.stride() == (1, weight.shape[0]) and torch.equal(weight, before)
 
 
-@pytest.mark.parametrize("family", ["tiny", pytest.param("gpt-oss-tiny", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["tiny", pytest.param("deepseek-v3-tiny", marks=pytest.mark.slow),
+                                    pytest.param("gpt-oss-tiny", marks=pytest.mark.slow)])
 def test_compiled_step_equals_eager_at_bucket_boundaries(family):
     """torch.compile's graph (inductor): float32 greedy tokens equal, logits within float32 rounding; batch
     sizes 1, 2, 3, 4 (a bucket's max) and 5 (max + 1), as they are and padded to buckets (a GPU's form);
-    sliding windows and sinks (gpt-oss)."""
+    sliding windows and sinks (gpt-oss); MLA's latent cache, attended in the latent space (DeepSeek-V3)."""
     torch.manual_seed(0)
     model = _model(family, torch.float32)
-    for count in (1, 2, 3, 4, 5):
+    mla = family == "deepseek-v3-tiny"  # (its graphs compile slowest: a batch of one, and three rows padded or not)
+    for count in (1, 3) if mla else (1, 2, 3, 4, 5):
         prompts = _prompts(count, seed=20 + count)
         eager = _run(model, "off", prompts, new=10)
         for pads in (False, True) if count in (3, 5) else (False,):
-            compiled = _run(model, "compiled", prompts, new=10, pads=pads, max_num_seqs=8)
+            compiled = _run(model, "compiled", prompts, new=10, pads=pads, max_num_seqs=4 if mla else 8)
             assert compiled[2] > 0
             _assert_same(eager, compiled, atol=2e-4)
 
@@ -157,12 +159,9 @@ def test_compiled_step_under_preemption_and_prefix_hits():
 
 
 def test_steps_the_graph_cannot_run_take_the_eager_path():
-    """Latent attention (MLA), a capacity, the deterministic mode, sampled and penalised requests mixed in:
-    the same tokens as the eager engine; only plain decode-only steps go through the graph."""
-    mla = _model("deepseek-v3-tiny")
+    """The deterministic mode, sampled and penalised requests mixed in: the same tokens as the eager engine; only
+    plain decode-only steps go through the graph."""
     prompts = _prompts(3, seed=2)
-    assert _run(mla, "static", prompts)[2] == 0
-    assert not mla.static_ready
     deterministic = Engine(_model("tiny"), decode_graph="static", deterministic=True)
     deterministic.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
     assert deterministic.runner.decode_graph.steps == 0

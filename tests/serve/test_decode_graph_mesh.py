@@ -24,7 +24,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 def _model(settings: dict, mesh=None, layout: str = "zigzag") -> MoETransformer:
-    model = MoETransformer(preset("tiny").replace(**settings), mesh, layout).double()
+    settings = dict(settings)
+    family = settings.pop("family", "tiny")
+    model = MoETransformer(preset(family).replace(**settings), mesh, layout).double()
     model.init_weights(3, std=0.3)
     return model
 
@@ -100,6 +102,7 @@ def _run(cp, ep, layout, mode, settings, speculate=False, forms=GATHERED, max_nu
     (2, 1, "zigzag", WINDOWED, False, GATHERED),
     (3, 1, "striped", WINDOWED, False, GATHERED),
     (2, 2, "zigzag", {}, True, DENSE),
+    (2, 2, "zigzag", {"family": "deepseek-v3-tiny"}, False, GATHERED),  # MLA: the latent cache, cp-sharded
 ])
 def test_fixed_shape_decode_steps_on_meshes_equal_the_eager_steps(cp, ep, layout, settings, speculate, forms):
     """The graph's step run eagerly ("static"): every rank's reported states equal the eager step's, the tokens

@@ -256,6 +256,7 @@ def test_fp8_cache_holds_four_times_the_tokens_of_float32():
 
 
 @pytest.mark.parametrize("family, mode", [("tiny", "static"), ("gpt-oss-tiny", "static"),
+                                          ("deepseek-v3-tiny", "static"),  # MLA: FP8 latents
                                           pytest.param("tiny", "compiled", marks=pytest.mark.slow)])  # ~1 min
 def test_decode_graph_over_fp8_cache_equals_eager(family, mode):
     """float64: logits of the fixed-shape step equal the eager step's to 1e-10 and the compiled step's to float32

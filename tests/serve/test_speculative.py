@@ -166,13 +166,14 @@ def _dense_mtp_drafts(model, ids, k):
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(kv_cache_tokens=72, max_num_batched_tokens=10),
-                                      dict(kv_cache_dtype="fp8")])
+                                      dict(kv_cache_dtype="fp8"), dict(decode_graph="static")])
 def test_mtp_drafts_are_the_modules_guesses_and_decoding_stays_exact(settings):
     """DeepSeek-V3 with its MTP module (latent cache, MoE in the module): at every step each request's MTP drafts
     equal the module's greedy guesses computed densely from scratch (its paged cache caught up on exactly the
     accepted positions, chained drafts included); the tokens and float64 logprobs equal decoding without
     speculation, with the module's own drafts and with an oracle's (every draft accepted: several positions caught
-    up per step), under preemption and a budget that cuts drafts, and with an FP8 cache."""
+    up per step), under preemption and a budget that cuts drafts, with an FP8 cache, and with the drafts verified
+    by the fixed-shape decode graph (the module then reads the graph's states)."""
     model = _mtp_model()
     want, want_logprobs = _decode(Engine(model, block_size=4, **{k: v for k, v in settings.items()
                                                                    if k == "kv_cache_dtype"}))
@@ -203,6 +204,8 @@ def test_mtp_drafts_are_the_modules_guesses_and_decoding_stays_exact(settings):
         assert checked > 10 or "kv_cache_dtype" in settings
         if "kv_cache_tokens" in settings:
             assert engine.num_preemptions > 0
+        if "decode_graph" in settings:
+            assert engine.runner.decode_graph.drafts_verified > 10
 
 
 def _mtp_mesh_rank(rank, world, cp, ep):

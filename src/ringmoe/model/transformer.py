@@ -151,9 +151,8 @@ class MoETransformer(nn.Module):
 
     @property
     def static_ready(self) -> bool:
-        """``hidden_states_static`` can run: every MoE block dropless (without replicas), no latent attention."""
-        return not self.config.mla and all(
-            layer.mlp.static_ready for _, layer in self.moe_layers())
+        """``hidden_states_static`` can run: every MoE block dropless (without replicas)."""
+        return all(layer.mlp.static_ready for _, layer in self.moe_layers())
 
     def hidden_states_static(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                              rope_freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:

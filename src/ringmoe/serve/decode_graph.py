@@ -52,8 +52,10 @@ is decided on every ep group's items, the same way on every rank.  The LM head s
 for every ep group from the states the ranks send).  Inside the graph rather than between graphs: measured on this
 machine (``bench_mesh_decode.py``), see ``graph_collectives`` for the ways not kept.
 
+MLA (DeepSeek) runs in the graph too: its cache holds each token's latent and RoPE key once and the layers attend
+in the latent space (``TableAttention.absorbed``), as the eager step does.
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
-mode, latent attention, capacity-bounded experts and expert replicas take the eager path (``ModelRunner.step``).
+mode, capacity-bounded experts and expert replicas take the eager path (``ModelRunner.step``).
 ``compile=False`` runs the same padded fixed-shape step eagerly (what the equality tests compare against, and a
 fallback).
 """
@@ -148,17 +150,21 @@ class TableAttention:
     On a cp rank (``merge_group``: the cp group's key, ``graph_collectives.group_key``) the cache holds the positions
     this rank keeps: row r reads ``cached[r]`` of its cached keys, from ``firsts[w][r]`` under a window of w keys
     (``paged_decode``'s ``cached`` and ``first``), and the new keys ``fresh`` marks are those this rank keeps; the
-    ranks' partial results merge over the group (one all-gather a layer), then the sinks join."""
+    ranks' partial results merge over the group (one all-gather a layer), then the sinks join.
 
-    absorbed = latent_ring = False
+    absorbed (MLA): the cache holds each token's latent and RoPE key once (the layer attends in the latent space,
+    its keys and values the same vectors): ``new_kv`` keeps them once per layer."""
+
+    latent_ring = False
 
     def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], tables: torch.Tensor,
                  contexts: torch.Tensor, fresh: torch.Tensor, kv_scales: list | None,
-                 cached: torch.Tensor | None = None, firsts: dict | None = None, merge_group: int | None = None):
+                 cached: torch.Tensor | None = None, firsts: dict | None = None, merge_group: int | None = None,
+                 absorbed: bool = False):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.tables, self.contexts, self.fresh, self.kv_scales = tables, contexts, fresh, kv_scales
-        self.cached, self.firsts, self.merge_group = cached, firsts, merge_group
-        self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V (B, Hkv, D) as cached
+        self.cached, self.firsts, self.merge_group, self.absorbed = cached, firsts, merge_group, absorbed
+        self.new_kv: list[tuple[torch.Tensor, ...]] = []  # per layer: K, V (B, Hkv, D) as cached (MLA: K alone)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, B, H, D), k, v (1, B, Hkv, D) -> (1, B, H, D)."""
@@ -173,9 +179,10 @@ class TableAttention:
             scales = self.kv_scales[layer]
             codes = (encode_e4m3(own[0], scales[0]), encode_e4m3(own[1], scales[1]))
             own = (decode_e4m3(codes[0], scales[0], k.dtype), decode_e4m3(codes[1], scales[1], v.dtype))
-            self.new_kv.append(codes)
         else:
-            self.new_kv.append(own)
+            codes = own
+        # (MLA: the keys are the values, one latent scale used twice: the cache keeps them once)
+        self.new_kv.append(codes[:1] if self.absorbed else codes)
         window = options["window_size"][0]
         if self.merge_group is None:
             return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, window, options["sinks"],
@@ -231,10 +238,10 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, m
     head dim); rope_freqs: the model's ``rope_frequencies``.  -> (hidden (B, hidden); logits (B, vocab) float32, each
     row's greedy token (B,) int64 and its log-probability (B,) float32 (``HeadOutput``); the MoE layers' expert
     counts over the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as
-    the cache stores them (layers, 2, B, kv heads, head dim)); without ``head`` (a mesh: the driver applies it to
-    the states every rank sends) None for the head's three.  Few outputs, each a whole tensor: the caller pays
-    host time per tensor a compiled graph returns (the 26 outputs this step had, routings and K/V apart, cost ~10%
-    of a batch-1 step)."""
+    the cache stores them (layers, 2 (MLA: 1, the latent and RoPE key), B, kv heads, head dim)); without ``head``
+    (a mesh: the driver applies it to the states every rank sends) None for the head's three.  Few outputs, each a
+    whole tensor: the caller pays host time per tensor a compiled graph returns (the 26 outputs this step had,
+    routings and K/V apart, cost ~10% of a batch-1 step)."""
     cached = firsts = None
     if merge_group is not None:
         cached = meta[CACHED]
@@ -242,7 +249,7 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, m
     # the runner's cache as one input: each layer's K and V are views made inside the graph (passed in as views of
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales,
-                               cached, firsts, merge_group)
+                               cached, firsts, merge_group, absorbed=kv_buffer.shape[1] == 1)
     hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention, rope_freqs)
     logits = tokens = logprobs = None
     if head:
@@ -480,7 +487,7 @@ class DecodeGraph:
         hidden, logits, tokens, logprobs, counts, new_kv = self.call(runner.model, meta, tables, fresh,
                                                                      runner.kv_buffer, runner.kv_scales,
                                                                      self.rope_freqs, self.merge_group, self.head)
-        # every layer's K and V at the rows' slots in one write: new_kv (layers, 2, B, kv heads, D) into the
+        # every layer's K and V at the rows' slots in one write: new_kv (layers, 2 or 1, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         self._kv_slots.index_copy_(2, meta[SLOTS], new_kv)
         runner.expert_counts = counts

@@ -122,7 +122,7 @@ class ModelRunner:
         # a decode graph's step: its real rows' assignments per MoE layer and expert (moe layers, E) int64, read once
         # by the engine (the layers' ``last_stats`` are made from them only when read); None after any other step
         self.expert_counts: torch.Tensor | None = None
-        self.decode_graph = None  # a model that cannot run the fixed-shape step (MLA, capacity...) never has one
+        self.decode_graph = None  # a model that cannot run the fixed-shape step (capacity, replicas) never has one
         if decode_graph != "off" and model.static_ready:
             self.decode_graph = DecodeGraph(self, decode_graph == "compiled")
 
