@@ -111,8 +111,9 @@ class Engine:
     since, stay in use: they belong to the weights).
     decode_graph: how the decode-only steps run (``decode_graph.py``): "off" (the general eager step),
     "static" (padded to a bucket, fixed-shape ops, eager), "compiled" (the same under torch.compile,
-    compiled here, before the first request: ``compile_seconds``).  The graph serves one-rank models
-    with dropless experts outside the deterministic mode; other steps and models run eagerly.
+    compiled here, before the first request: ``compile_seconds``).  The graph serves models with dropless
+    experts (every family, MLA included; one process or a cp x ep mesh) outside the deterministic mode; other steps
+    and models run eagerly.
 
     Parallel samples (``params.n > 1``): the prompt is computed once; when its first token is drawn the
     request forks into n (ids ``rid``, ``rid#1`` ... ``rid#{n-1}``, sharing the prompt's KV blocks with copy
