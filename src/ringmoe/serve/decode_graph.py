@@ -174,15 +174,14 @@ class TableAttention:
         # the cache is read as it was before this step and each row's own K/V joins at its last position; the
         # new K/V leave the graph and are written after it: a compiled write into the cache copies the whole
         # cache (its input), and a read after a write searches the written slots for every key it gathers
-        own, scales = (k[0], v[0]), None
+        # (MLA: the keys are the values, one latent scale used twice: the cache keeps them once, encoded once)
+        own, scales = ((k[0],) if self.absorbed else (k[0], v[0])), None
         if self.kv_scales is not None:  # the row's own K/V as a later step will read them: their e4m3 round trip
             scales = self.kv_scales[layer]
-            codes = (encode_e4m3(own[0], scales[0]), encode_e4m3(own[1], scales[1]))
-            own = (decode_e4m3(codes[0], scales[0], k.dtype), decode_e4m3(codes[1], scales[1], v.dtype))
-        else:
-            codes = own
-        # (MLA: the keys are the values, one latent scale used twice: the cache keeps them once)
-        self.new_kv.append(codes[:1] if self.absorbed else codes)
+            codes = tuple(encode_e4m3(x, scale) for x, scale in zip(own, scales))
+            own = tuple(decode_e4m3(code, scale, k.dtype) for code, scale in zip(codes, scales))
+        self.new_kv.append(codes if self.kv_scales is not None else own)
+        own = own * 2 if self.absorbed else own  # (keys, values)
         window = options["window_size"][0]
         if self.merge_group is None:
             return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, window, options["sinks"],
