@@ -20,8 +20,9 @@ the accepted drafts would give if verifying them cost nothing (each run's prefil
 MTP (``--only mtp``): the demo's size in DeepSeek-V3's form trained with its multi-token prediction module by the
 demo's recipe (``apps.demo_model.MTP_TRAINING``: ``ringmoe train --preset deepseek-v3-demo --mtp``, cached), exported
 with its MTP layer and served by the engine with ``{"method": "mtp", "num_speculative_tokens": k}``, k = 1, 2, on
-held-out files (the validation split the training never saw), greedy; the compiled decode graph (MLA's latent
-cache inside it) verifies the drafts and runs the plain engine's steps; the MTP module's own step is eager.
+held-out files (the validation split the training never saw), greedy; eager, and with the compiled decode graph
+(MLA's latent cache inside it), which verifies the drafts and runs the plain engine's steps, and runs the module
+too: over each step's rows inside the step's own graph (its catch-up), its chained drafts as graphs of their own.
 Also the training's teacher-forced figure: how often the module's first draft equals the model's next greedy token
 on held-out text.
 

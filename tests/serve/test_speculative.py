@@ -204,12 +204,40 @@ def test_mtp_drafts_are_the_modules_guesses_and_decoding_stays_exact(settings):
         assert checked > 10 or "kv_cache_dtype" in settings
         if "kv_cache_tokens" in settings:
             assert engine.num_preemptions > 0
-        if "decode_graph" in settings:
-            assert engine.runner.decode_graph.drafts_verified > 10
+        if "decode_graph" in settings:  # the drafts verified, the module's passes run, by graphs (its catch-ups
+            # inside the model's steps: ``DRAFTED``)
+            graph = engine.runner.decode_graph
+            assert graph.drafts_verified > 10 and graph.mtp_passes > 10 and engine.mtp.caught_up_by_steps > 10
 
 
-def _mtp_mesh_rank(rank, world, cp, ep):
-    engine = Engine(_mtp_model(mesh=make_mesh(cp, ep)), block_size=4, speculative_config=MTP)
+@pytest.mark.slow  # `make test-all` (the MTP engine compiles its steps' and its module's graphs: minutes)
+def test_compiled_mtp_passes_draft_the_modules_guesses():
+    """float32, compiled: the module's catch-up runs inside the model's graph step (its rows' greedy tokens read),
+    its chained passes as its own graphs, called directly once compiled (their guards checked: ``conftest``), the
+    head's greedy choice made inside them; every step's drafts are the module's guesses computed densely, and the
+    tokens those of decoding without speculation."""
+    model = _mtp_model().float()
+    want, _ = _decode(Engine(model, block_size=4), new=[12, 10, 12, 6])
+    engine = Engine(model, block_size=4, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                    decode_graph="compiled", max_num_seqs=4)
+    step, checked = engine.step, []
+
+    def checked_step():
+        outputs = step()
+        checked.extend(request.mtp_drafts == _dense_mtp_drafts(model, request.all_ids, len(request.mtp_drafts))
+                       for request in engine.requests.values() if request.mtp_drafts)
+        return outputs
+
+    engine.step = checked_step
+    got, _ = _decode(engine, new=[12, 10, 12, 6])
+    graph = engine.runner.decode_graph
+    assert got == want and len(checked) > 10 and all(checked)
+    assert engine.mtp.caught_up_by_steps > 10 and graph.mtp_passes > 5 and graph.mtp_dispatch.direct_calls > 0
+
+
+def _mtp_mesh_rank(rank, world, cp, ep, decode_graph):
+    engine = Engine(_mtp_model(mesh=make_mesh(cp, ep)), block_size=4, speculative_config=MTP,
+                    decode_graph=decode_graph)
     if rank != 0:
         engine.run_worker()
         return None
@@ -226,18 +254,22 @@ def _mtp_mesh_rank(rank, world, cp, ep):
     engine.step = checked_step
     got = _decode(engine, check_every_step=False)
     engine.shutdown()
-    return got, engine.spec_stats.num_draft_tokens, checked
+    graph = engine.runner.decode_graph
+    return got, engine.spec_stats.num_draft_tokens, checked, graph.mtp_passes if graph is not None else None
 
 
-@pytest.mark.parametrize("cp, ep", [(1, 2), (2, 1), (3, 1)])
-def test_mtp_drafting_on_a_mesh_gives_the_same_tokens(cp, ep):
+@pytest.mark.parametrize("cp, ep, decode_graph", [(1, 2, "off"), (2, 1, "off"), (3, 1, "off"), (2, 2, "static")])
+def test_mtp_drafting_on_a_mesh_gives_the_same_tokens(cp, ep, decode_graph):
     """ep = 2: the module's MoE exchanges its tokens between the ranks in passes of their own (every rank runs each
     catch-up and draft pass, with or without requests of its group); cp = 2, 3: the module's prompt pass runs as a
-    ring prefill over the rows each rank kept of the model's, its later positions as sharded decodes."""
+    ring prefill over the rows each rank kept of the model's, its later positions as sharded decodes; 2 x 2 with
+    the decode graph: the module's decode-like passes run as its graph on every rank (the exchanges inside it)."""
     want, want_logprobs = _decode(Engine(_mtp_model(), block_size=4))
-    (got, logprobs), drafted, checked = spawn(_mtp_mesh_rank, cp * ep, cp, ep, timeout=180)[0]
+    (got, logprobs), drafted, checked, graph_passes = spawn(_mtp_mesh_rank, cp * ep, cp, ep, decode_graph,
+                                                            timeout=180)[0]
     assert len(checked) > 10 and all(checked)
     assert got == want and drafted > 20
+    assert graph_passes is None if decode_graph == "off" else graph_passes > 10
     assert max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y)) < 1e-10
 
 

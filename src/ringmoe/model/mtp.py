@@ -58,5 +58,15 @@ class MultiTokenPredictor(DecoderLayer):
                 attention) -> torch.Tensor:
         """previous h^{k-1} (B, S, hidden) (normed), embedded Emb(t_{i+k}) (B, S, hidden) -> the normed state
         (B, S, hidden) that the shared head turns into the logits of t_{i+k+1}."""
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
-        return self.shared_head.norm(self(x, cos, sin, attention))
+        return self.shared_head.norm(self(self._joined(previous, embedded), cos, sin, attention))
+
+    def predict_static(self, previous: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       attention) -> tuple[torch.Tensor, object]:
+        """``predict`` in the decoder layer's fixed-shape ops (``forward_static``, what a compiled decode graph
+        traces): (the normed state (B, S, hidden), the MoE block's routing or None)."""
+        x, routing = self.forward_static(self._joined(previous, embedded), cos, sin, attention)
+        return self.shared_head.norm(x), routing
+
+    def _joined(self, previous: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """h' = W_eh [RMSNorm_e(embedded) ; RMSNorm_h(previous)] (B, S, hidden): the block's input."""
+        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))

@@ -185,6 +185,18 @@ class MoETransformer(nn.Module):
         cos, sin = self._rope_tables(positions, embedded.dtype)
         return module.predict(previous, embedded, cos, sin, attention)
 
+    def mtp_hidden_states_static(self, previous: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                                 attention: AttentionBackend, rope_freqs: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, list]:
+        """``mtp_hidden_states`` of the first module over one packed row in fixed-shape ops (what a compiled decode
+        graph traces, as ``hidden_states_static``): previous (T, hidden), next_ids, positions (T,) int64 -> (the
+        normed states (T, hidden), [the module's MoE routing] or [])."""
+        module = self.mtp_layers[str(self.config.num_layers)]
+        embedded = self.embed_tokens(next_ids)[None]
+        cos, sin = self._rope_tables(positions, embedded.dtype, rope_freqs)
+        states, routing = module.predict_static(previous[None], embedded, cos, sin, attention)
+        return states[0], [] if routing is None else [routing]
+
     def rope_frequencies(self, device: torch.device | None = None) -> torch.Tensor:
         """RoPE's frequencies (rope dim / 2,) float32 (``rope.inv_freq``; MLA: of the RoPE part of the heads)."""
         rope_dim = self.config.qk_rope_head_dim if self.config.mla else self.config.head_dim

@@ -53,7 +53,20 @@ for every ep group from the states the ranks send).  Inside the graph rather tha
 machine (``bench_mesh_decode.py``), see ``graph_collectives`` for the ways not kept.
 
 MLA (DeepSeek) runs in the graph too: its cache holds each token's latent and RoPE key once and the layers attend
-in the latent space (``TableAttention.absorbed``), as the eager step does.
+in the latent space (``TableAttention.absorbed``), as the eager step does.  So does DeepSeek-V3's multi-token
+prediction module when the engine drafts with it (``mtp``, ``mtp_drafter``).  On one process each step of the
+model also runs the module over the step's rows (``_decode_step``'s ``draft``): row j of a request reads the row's
+state and the graph's greedy token at row j, which is the token the request takes at position j + 1 wherever it
+decodes greedily (an accepted draft equals it; the first rejected one is replaced by it), so the module's catch-up
+on the step's accepted rows costs no pass of its own (the drafter checks the tokens and catches up separately
+where they differ: sampled rows).  Measured (``bench_spec.py --only mtp``, the trained DeepSeek-tiny model, one
+request, one draft): MTP's tokens/s against the plain compiled engine's 0.36x with the module's passes eager, 0.75x
+with every pass a graph of its own (a step 1.7 ms, its catch-up pass 0.6 more), 0.81x fused.  The passes that remain
+(a catch-up the step could not make, each chained draft past the first, every pass on a mesh) run the same step
+function with the rows' states one depth down as one more input, which runs the module's layer instead of the
+model's (a copy of the code of its own: ``compiled_step``): a catch-up as an item of several rows (the band's
+causal mask), a chained draft as a row per request; the K/V go to the module's layer of the cache, and on one
+process its head's greedy choice is made inside the graph.
 Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
 mode, capacity-bounded experts and expert replicas take the eager path (``ModelRunner.step``).
 ``compile=False`` runs the same padded fixed-shape step eagerly (what the equality tests compare against, and a
@@ -80,7 +93,7 @@ from ..prepacked import DecodePanels
 from .compiled_dispatch import CompiledDispatch
 from .placement import local_count
 
-__all__ = ["DecodeGraph", "HeadOutput", "LOGITS", "bucket"]
+__all__ = ["DRAFTED", "DecodeGraph", "HeadOutput", "LOGITS", "RowDrafts", "bucket"]
 
 MIN_WIDTH = 2  # blocks per table row at least: a width of 1 would be a shape torch.compile specialises
 # inductor compiles a float32 sum of more than this many terms as a chunked cascade sum, and guards the graph on
@@ -119,26 +132,26 @@ def compile_options(device: torch.device, mesh_size: int = 1) -> dict:
     return options
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled ``_decode_step``
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mtp: its compiled ``_decode_step``}
 _COPIES = itertools.count()
 
 
-def compiled_step(model) -> object:
-    """``_decode_step`` compiled for ``model``: engines of one model share its graphs, another model never does.
+def compiled_step(model, mtp: bool = False) -> object:
+    """``_decode_step`` compiled for ``model``: engines of one model share its graphs, another model never does;
+    ``mtp``: the copy that runs the model's multi-token prediction module (its passes are graphs of their own).
 
     torch.compile keeps its graphs on the function's code object and, with the model's modules unguarded
     (``compile_options``), would run a graph traced for one model on another model of the same shapes, with the
     first one's constants: its experts' operator keys (the second model's steps of 32 rows and more computed
     with the first one's experts, measured), and any config value that is no tensor (RoPE base, router
     scaling...).  Each model gets its own copy of the code, so its own cache and its own recompile budget."""
-    step = _COMPILED.get(model)
-    if step is None:
-        code = _decode_step.__code__.replace(co_name=f"_decode_step_{next(_COPIES)}")
+    steps = _COMPILED.setdefault(model, {})
+    if mtp not in steps:
+        code = _decode_step.__code__.replace(co_name=f"_decode_step_{next(_COPIES)}{'_mtp' if mtp else ''}")
         function = types.FunctionType(code, _decode_step.__globals__, code.co_name)
-        step = torch.compile(function, dynamic=True,
-                             options=compile_options(model.embed_tokens.weight.device, model.mesh.size))
-        _COMPILED[model] = step
-    return step
+        steps[mtp] = torch.compile(function, dynamic=True,
+                                   options=compile_options(model.embed_tokens.weight.device, model.mesh.size))
+    return steps[mtp]
 
 
 class TableAttention:
@@ -198,6 +211,17 @@ class TableAttention:
 LOGITS = "logits"  # a graph step that applied the LM head reports its ``HeadOutput`` under this key
 
 
+DRAFTED = "drafted"  # a graph step that also ran the MTP module over its rows reports its ``RowDrafts`` under this key
+
+
+class RowDrafts(NamedTuple):
+    """The MTP module's part of a step that ran it over the step's rows (``_decode_step``'s ``draft``), in the
+    rows' order (``HeadOutput.spans``): each row's module state (rows, hidden) and its head's greedy choice."""
+
+    states: torch.Tensor
+    tokens: list[int]
+
+
 class HeadOutput(NamedTuple):
     """The LM head's part of a graph step: every row's logits (rows, vocab) float32 and the greedy choice the
     graph made per row: the first index of the row's largest logit and that logit's log-probability (NaN where the
@@ -228,7 +252,8 @@ def windows(model) -> list[int]:
     return sorted(left for left in lefts if left >= 0)
 
 
-def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, merge_group=None, head=True):
+def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, merge_group=None, head=True,
+                 previous=None, draft=False):
     """meta (5, B) int64: per row its token, position, context length (keys it sees, its own included), 1 for a real row
     (0: padding) and cache slot (read after the graph); on a cp rank (merge_group: the cp group's key) (6 + windows,
     B): then the cached keys the row reads here and, per window (``windows``), the first of them inside it;
@@ -238,7 +263,14 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, m
     row's greedy token (B,) int64 and its log-probability (B,) float32 (``HeadOutput``); the MoE layers' expert
     counts over the real rows (moe layers, experts) int64 (None without MoE layers), every layer's new K and V as
     the cache stores them (layers, 2 (MLA: 1, the latent and RoPE key), B, kv heads, head dim)); without ``head``
-    (a mesh: the driver applies it to the states every rank sends) None for the head's three.  Few outputs, each a
+    (a mesh: the driver applies it to the states every rank sends) None for the head's three.  previous (B, hidden):
+    the rows are a pass of the model's first multi-token prediction module (``mtp_drafter``), each row reading this
+    state one depth down and its token one place ahead; the module's layer alone (its K/V and its MoE counts) in
+    the outputs, the hidden states the module's normed ones (the shared head's input).  draft (with ``head``): the
+    step's rows also run the MTP module, each row reading its own state and its greedy token as the token one place
+    ahead (``MTPDrafter``'s catch-up where the request took those tokens): its K/V join the outputs' layers (last)
+    and its counts theirs, and two more outputs: its states (B, hidden) and its head's greedy choice per row (B,)
+    int64 (else None).  Few outputs, each a
     whole tensor: the caller pays host time per tensor a compiled graph returns (the 26 outputs this step had,
     routings and K/V apart, cost ~10% of a batch-1 step)."""
     cached = firsts = None
@@ -249,7 +281,10 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, m
     # the buffer, each would bring its storage offset as one more symbolic size to convert at every call)
     attention = TableAttention(model, kv_buffer[:, 0], kv_buffer[:, -1], tables, meta[CONTEXTS], fresh, kv_scales,
                                cached, firsts, merge_group, absorbed=kv_buffer.shape[1] == 1)
-    hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention, rope_freqs)
+    if previous is None:
+        hidden, routings = model.hidden_states_static(meta[IDS], meta[POSITIONS], attention, rope_freqs)
+    else:
+        hidden, routings = model.mtp_hidden_states_static(previous, meta[IDS], meta[POSITIONS], attention, rope_freqs)
     logits = tokens = logprobs = None
     if head:
         logits = model.lm_head(hidden).float()
@@ -258,9 +293,14 @@ def _decode_step(model, meta, tables, fresh, kv_buffer, kv_scales, rope_freqs, m
         # only -inf: NaN marks a row with no choice
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     real = meta[REAL]
+    states = drafts = None
+    if draft:  # the module over the step's rows, as its catch-up on them would run were their greedy tokens taken
+        states, routing = model.mtp_hidden_states_static(hidden, tokens, meta[POSITIONS], attention, rope_freqs)
+        routings = routings + routing
+        drafts = model.lm_head(states).float().max(dim=-1).indices
     counts = [(F.one_hot(r.topk_idx, r.probs.shape[-1]) * real[:, None, None]).sum((0, 1)) for r in routings]
     new_kv = torch.stack([torch.stack(pair) for pair in attention.new_kv])
-    return hidden, logits, tokens, logprobs, torch.stack(counts) if counts else None, new_kv
+    return hidden, logits, tokens, logprobs, torch.stack(counts) if counts else None, new_kv, states, drafts
 
 
 class DecodeGraph:
@@ -276,23 +316,33 @@ class DecodeGraph:
         self.merge_group = group_key(mesh.cp_group) if mesh.cp > 1 else None
         self.windows = windows(runner.model) if mesh.cp > 1 else []  # each a row of the step's inputs
         self.head = mesh.size == 1  # the LM head in the graph (a mesh: the driver applies it, ``_decode_step``)
-        self.moe_blocks = [layer.mlp for _, layer in runner.model.moe_layers()]
-        for block in self.moe_blocks:  # the experts' operator finds these layers (not a copy's)
+        model = runner.model
+        self.moe_blocks = [layer.mlp for _, layer in model.moe_layers()]
+        # the multi-token prediction module's MoE block (its passes run as graphs too: ``mtp``)
+        self.mtp_blocks = [layer.mlp for index, layer in model.moe_layers(with_mtp=True) if index >= len(model.layers)]
+        for block in self.moe_blocks + self.mtp_blocks:  # the experts' operator finds these layers (not a copy's)
             block.register_op()
             block.fit_static_forms()  # the switch between the experts' forms, for the products they run now
             block.bind_c_experts()  # their panel copies to the operator's C kernel, where it runs
         # the fewest rows of a step that runs the experts' operator (the steps where its bindings must be current)
-        self.operator_rows = min((block.static_form_edges()[1] for block in self.moe_blocks), default=None)
+        self.operator_rows = min((block.static_form_edges()[1] for block in self.moe_blocks + self.mtp_blocks),
+                                 default=None)
         # the projections' panel copies, which the compiled step multiplies by (``prepacked.DecodePanels``)
         self.panels = DecodePanels(runner.model) if compile else None
         self.rope_freqs = runner.model.rope_frequencies(runner.device)  # an input of every step: computed once
         torch._dynamo.mark_static(self.rope_freqs)
         # every size symbolic: one graph serves every bucket of two rows or more and every table width
         # (a batch of one is specialised by torch.compile: its own graph)
-        self.fn = compiled_step(runner.model) if compile else _decode_step
+        self.fn = compiled_step(model) if compile else _decode_step
         # on a CPU each graph is called without torch.compile's entry once a step of its shapes ran through it
         # (``compiled_dispatch``; on a GPU the entry stays: that way is not verified there)
         self.dispatch = CompiledDispatch(self.fn) if compile and runner.device.type == "cpu" else None
+        # the multi-token prediction module's passes (catching up on a step's accepted rows, then each chained
+        # draft) run as graphs of their own, warmed up too, when the engine drafts with it (it sets ``mtp``)
+        self.mtp = False
+        self.mtp_fn = compiled_step(model, mtp=True) if compile and len(model.mtp_layers) else _decode_step
+        self.mtp_dispatch = CompiledDispatch(self.mtp_fn) if self.dispatch is not None and len(model.mtp_layers) \
+            else None
         # the cache's sizes are constants of the graph, but for its number of blocks (engines of one model share
         # its graphs): a symbolic size is one more integer to convert at each call
         for dim in (0, 1, 3, 4, 5):
@@ -300,7 +350,8 @@ class DecodeGraph:
         buffer = runner.kv_buffer
         # where a step's new K/V go: the model's layers of the buffer (the MTP modules' follow), K and V, every
         # slot (blocks * block size), kv heads, head dim; one view made once (a step writes into it by slot)
-        self._kv_slots = buffer.view(*buffer.shape[:2], -1, *buffer.shape[4:])[:len(runner.model.layers)]
+        self._slots = buffer.view(*buffer.shape[:2], -1, *buffer.shape[4:])
+        self.layers = len(model.layers)  # the model's layers of the buffer (the first MTP module's follows)
         self.device = buffer.device
         if runner.kv_buffer.device.type == "cuda":  # CUDA graphs copy an input into their own memory at each replay
             torch._dynamo.mark_static_address(runner.kv_buffer)  # unless its address is fixed: the whole cache
@@ -309,6 +360,7 @@ class DecodeGraph:
         self.band = 1
         self.steps = 0  # decode steps run through the graph
         self.drafts_verified = 0  # speculative draft tokens the graph has verified
+        self.mtp_passes = 0  # passes of the MTP module run through the graph
         self._masks: dict[tuple, torch.Tensor] = {}  # ``_fresh``'s masks made so far (at most FRESH_MASKS)
         self._tables: tuple[list, torch.Tensor | None] = ([], None)  # the last step's tables: as lists, as a tensor
 
@@ -319,7 +371,9 @@ class DecodeGraph:
         holds more than ``LONG_SUM`` blocks, each form once more with a table wider than that (a serving step
         would otherwise compile for seconds when the first context grows past it); with a band past one (an engine
         that speculates) the same again for the steps that carry no drafts (band 1: ``run``), up to ``max_rows`` /
-        band rows; seconds taken.  The rows decode into the scratch block only: no request's cache is touched."""
+        band rows; with ``mtp`` the module's passes the same way (its catch-up on a verified step's rows, its
+        chained drafts one row a request); seconds taken.  The rows decode into the scratch block only: no
+        request's cache is touched."""
         start = time.perf_counter()
         runs = self._warm_up_runs(max_rows, self.band)
         if self.band > 1:
@@ -327,8 +381,9 @@ class DecodeGraph:
         # the model's float attributes (norms' eps, RoPE's base...) traced as constants of the graph, not as inputs
         # made into tensors at every call (~2-3 us each; only tracing reads the flag: the graphs are made here)
         with torch._dynamo.config.patch(specialize_float=True):
-            for rows, width, band in dict.fromkeys(runs):
-                self._run_scratch(rows, width, band)
+            for mtp in (False, True) if self.mtp else (False,):
+                for rows, width, band in dict.fromkeys(runs):
+                    self._run_scratch(rows, width, band, mtp)
         return time.perf_counter() - start
 
     def _warm_up_runs(self, max_rows: int, band: int) -> list[tuple[int, int, int]]:
@@ -348,9 +403,10 @@ class DecodeGraph:
                      if first <= sizes[-1]]
         return runs
 
-    def _run_scratch(self, rows: int, width: int, band: int) -> None:
-        """One step of ``rows`` padding rows with tables of ``width`` blocks, all in the scratch block (on a cp rank
-        each sees its own key only; on a mesh every rank runs the same ones: they join the step's collectives)."""
+    def _run_scratch(self, rows: int, width: int, band: int, mtp: bool = False) -> None:
+        """One step (``mtp``: a pass of the MTP module) of ``rows`` padding rows with tables of ``width`` blocks, all
+        in the scratch block (on a cp rank each sees its own key only; on a mesh every rank runs the same ones: they
+        join the step's collectives)."""
         runner, scratch = self.runner, self.runner.scratch_block
         meta = torch.zeros(CACHED + 1 + len(self.windows) if self.cp > 1 else CACHED, rows, dtype=torch.long,
                            device=runner.device)
@@ -359,16 +415,35 @@ class DecodeGraph:
         torch._dynamo.mark_static(meta, 0)
         fresh = self._fresh(list(range(rows)), band, [True] * rows if self.cp > 1 else None)
         self.call(runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
-                  self.merge_group, self.head)
+                  self.merge_group, self.head, self._previous([], rows) if mtp else None, self.drafts and not mtp)
+
+    @property
+    def drafts(self) -> bool:
+        """The model's steps also run the MTP module over their rows (``_decode_step``'s ``draft``): an engine
+        drafting with it, on one process (the graph applies the head, whose greedy tokens the module reads)."""
+        return self.mtp and self.head
+
+    def _previous(self, items: list, rows: int) -> torch.Tensor:
+        """An MTP pass's states one depth down: the items' ``previous`` rows, then zeros up to ``rows`` (rows,
+        hidden) in the model's dtype, on the runner's device."""
+        embedding = self.runner.model.embed_tokens.weight
+        states = [item.previous.to(self.device, embedding.dtype) for item in items]
+        pad = rows - sum(len(state) for state in states)
+        states.append(torch.zeros(pad, embedding.shape[1], dtype=embedding.dtype, device=self.device))
+        previous = torch.cat(states) if len(states) > 1 else states[0]
+        torch._dynamo.mark_static(previous, 1)  # the hidden size: a constant of the graph
+        return previous
 
     def call(self, *args):
-        """The step's function (``_decode_step``'s arguments): compiled, on a CPU through ``dispatch`` keyed by
-        what its graphs' guards read (rows, table width, band, grad mode: the other inputs' shapes and dtypes are
-        the engine's constants)."""
-        if self.dispatch is None:
-            return self.fn(*args)
+        """The step's function (``_decode_step``'s arguments; with ``previous``, the last, the MTP module's):
+        compiled, on a CPU through a ``CompiledDispatch`` keyed by what its graphs' guards read (rows, table width,
+        band, grad mode: the other inputs' shapes and dtypes are the engine's constants)."""
+        mtp = len(args) > 9 and args[9] is not None
+        fn, dispatch = (self.mtp_fn, self.mtp_dispatch) if mtp else (self.fn, self.dispatch)
+        if dispatch is None:
+            return fn(*args)
         meta, tables, fresh = args[1:4]
-        return self.dispatch((meta.shape[1], tables.shape[1], fresh.shape[1], torch.is_grad_enabled()), args)
+        return dispatch((meta.shape[1], tables.shape[1], fresh.shape[1], torch.is_grad_enabled()), args)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -407,22 +482,30 @@ class DecodeGraph:
         return fresh
 
     @staticmethod
-    def accepts(runner, items: list, plan: list[list] | None = None) -> bool:
+    def accepts(runner, items: list, plan: list[list] | None = None, mtp: bool = False) -> bool:
         """Every item one generated token (and its drafts, if any, no more than the graph's band holds) of a paged
         request (on a cp rank: a sharded decode), nothing else asked of the step.  On a mesh ``plan``: every ep
-        group's items (each rank decides on all of them: the same answer everywhere, as the collectives need)."""
+        group's items (each rank decides on all of them: the same answer everywhere, as the collectives need).
+        ``mtp``: a pass of the MTP module (the engine drafting with it: ``mtp`` set), every item at most a band's
+        rows of a paged request (a sharded decode) with the states it reads (not a prompt chunk's nor a ring's)."""
         graph = runner.decode_graph  # (and its MoE layers still dropless: no capacity set on one since)
         groups = [items] if plan is None else plan
-        return any(groups) and not runner.deterministic and all(block.static_ready for block in graph.moe_blocks) \
-            and all((item.kind == "decode" if graph.cp > 1
-                     else item.kind == "paged" and (item.generated or item.drafts))
-                    and len(item.token_ids) == 1 + item.drafts <= graph.band
-                    and not item.copies and item.report_all == bool(item.drafts) for group in groups for item in group)
+        if not any(groups) or runner.deterministic or (mtp and not graph.mtp) or not all(
+                block.static_ready for block in (graph.mtp_blocks if mtp else graph.moe_blocks)):
+            return False
+        if mtp:
+            return all(item.kind == ("decode" if graph.cp > 1 else "paged") and item.previous is not None
+                       and 1 <= len(item.token_ids) <= graph.band and not item.copies
+                       for group in groups for item in group)
+        # (every row of an item reported where it has drafts, or where the MTP module reads them: ``mtp``)
+        return all((item.kind == "decode" if graph.cp > 1 else item.kind == "paged" and (item.generated or item.drafts))
+                   and len(item.token_ids) == 1 + item.drafts <= graph.band and not item.copies
+                   and (item.report_all == bool(item.drafts) or graph.mtp) for group in groups for item in group)
 
-    def run(self, items: list, plan: list[list] | None = None) -> dict:
+    def run(self, items: list, plan: list[list] | None = None, mtp: bool = False) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step``; and on one process {LOGITS: the
-        ``HeadOutput`` of the LM head the graph applied}.  On a mesh ``plan`` holds every ep group's items: each rank
+        hidden_size)} of the items with k drafts, as ``ModelRunner.step`` (``mtp``: a pass of the MTP module, as
+        ``ModelRunner.mtp_step``); and on one process {LOGITS: the ``HeadOutput`` of the LM head the graph applied}.  On a mesh ``plan`` holds every ep group's items: each rank
         runs as many rows as the largest group (its MoE layers' exchanges take the same shapes from every rank), and
         on a cp rank only cp rank 0 reports (every cp rank computes the same rows)."""
         runner = self.runner
@@ -480,30 +563,38 @@ class DecodeGraph:
             self.panels.refresh()  # weights changed since they were packed: packed again
         release_freed_c_experts()  # (the C experts' references to layers freed since, released here, not in tracing)
         if self.operator_rows is not None and rows >= self.operator_rows:
-            for block in self.moe_blocks:  # weights changed since they were bound: bound anew (or unbound: stale)
-                if not block.c_binding_current():
+            for block in self.moe_blocks + self.mtp_blocks:  # weights changed since they were bound: bound anew
+                if not block.c_binding_current():  # (or unbound: stale)
                     block.bind_c_experts()
-        hidden, logits, tokens, logprobs, counts, new_kv = self.call(runner.model, meta, tables, fresh,
-                                                                     runner.kv_buffer, runner.kv_scales,
-                                                                     self.rope_freqs, self.merge_group, self.head)
+        draft = self.drafts and not mtp
+        hidden, logits, tokens, logprobs, counts, new_kv, states, drafts = self.call(
+            runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs, self.merge_group,
+            self.head, self._previous(items, rows) if mtp else None, draft)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2 or 1, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
-        self._kv_slots.index_copy_(2, meta[SLOTS], new_kv)
-        runner.expert_counts = counts
+        written = self._slots[self.layers:self.layers + 1] if mtp else self._slots[:self.layers + draft]
+        written.index_copy_(2, meta[SLOTS], new_kv)
         if counts is not None:
-            for block, count in zip(self.moe_blocks, counts.unbind()):
+            blocks = self.mtp_blocks if mtp else self.moe_blocks + self.mtp_blocks * draft
+            for block, count in zip(blocks, counts.unbind()):
                 block.record(count)
-        self.steps += 1
-        self.drafts_verified += real - len(items)
+        if mtp:
+            self.mtp_passes += 1
+        else:
+            runner.expert_counts = counts[:len(self.moe_blocks)] if draft and counts is not None else counts
+            self.steps += 1
+            self.drafts_verified += real - len(items)
         reports, first, spans = {}, 0, {}
         for item in items if cp_rank == 0 else ():
             count = len(item.token_ids)
             spans[item.request_id] = (first, count)
-            if item.drafts:
+            if item.drafts or item.report_all:
                 reports[("all", item.request_id)] = hidden[first:first + count]
             if item.report:
                 reports[item.request_id] = hidden[first + count - 1]
             first += count
         if self.head:
             reports[LOGITS] = HeadOutput(logits, tokens.tolist(), logprobs.tolist(), spans)
+        if draft:
+            reports[DRAFTED] = RowDrafts(states, drafts.tolist())
         return reports

@@ -158,6 +158,7 @@ class Engine:
         per_request = 1 + (self.speculative_config.num_speculative_tokens if self.drafter is not None else 0)
         if self.runner.decode_graph is not None:
             self.runner.decode_graph.band = per_request
+            self.runner.decode_graph.mtp = self.mtp is not None  # the module's passes through graphs too
         if decode_graph == "compiled" and self.runner.decode_graph is not None and not deterministic:
             self.compile_seconds = self.runner.decode_graph.warm_up(max_num_seqs * per_request)
             log.info("decode step compiled in %.1f s", self.compile_seconds)
@@ -493,7 +494,7 @@ class Engine:
         self.runner.ring_stats = RingStats()
         start = time.perf_counter()
         if mtp:
-            reports = self.runner.mtp_step(plan[self.mesh.ep_rank])
+            reports = self.runner.mtp_step(plan[self.mesh.ep_rank], plan if self.mesh.size > 1 else None)
             return {key: value.cpu() for key, value in reports.items()} if self.mesh.size > 1 else reports, {}
         with self._invariance():
             reports = self.runner.step(plan[self.mesh.ep_rank], plan if self.mesh.size > 1 else None)

@@ -229,13 +229,16 @@ class ModelRunner:
         return reports
 
     @torch.no_grad()
-    def mtp_step(self, items: list[WorkItem]) -> dict:
+    def mtp_step(self, items: list[WorkItem], plan: list[list[WorkItem]] | None = None) -> dict:
         """The model's first multi-token prediction module over this rank's items (possibly none): item positions
         start .. start + n - 1 read the states one depth down (``previous`` (n, hidden); a ring item: this rank's
         rows of the ring prefill the last ``step`` kept, ``keep_hidden``) and ``token_ids``, the tokens one place
         ahead; their K/V go to the module's cache (layer num_layers) as the item's kind places them.
         {request_id: the module's normed state (hidden,) at the item's last position} (its head's logits draft
-        the token two places ahead of that position)."""
+        the token two places ahead of that position); a pass of decode-like items runs as the decode graph's MTP
+        graph (``DecodeGraph.run``, with its ``LOGITS``).  On a mesh ``plan``: every ep group's items, as ``step``."""
+        if self.decode_graph is not None and DecodeGraph.accepts(self, items, plan, mtp=True):
+            return self.decode_graph.run(items, plan, mtp=True)
         ids, positions, spans, attention = self._pack(items)
         dtype, width = self.model.embed_tokens.weight.dtype, self.model.config.hidden_size
         previous = [self.kept.pop(item.request_id) if item.kind == "ring" else item.previous.to(self.device, dtype)
