@@ -166,14 +166,16 @@ def _dense_mtp_drafts(model, ids, k):
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(kv_cache_tokens=72, max_num_batched_tokens=10),
-                                      dict(kv_cache_dtype="fp8"), dict(decode_graph="static")])
+                                      dict(kv_cache_dtype="fp8"), dict(decode_graph="static"),
+                                      dict(kv_cache_dtype="fp8", decode_graph="static")])
 def test_mtp_drafts_are_the_modules_guesses_and_decoding_stays_exact(settings):
     """DeepSeek-V3 with its MTP module (latent cache, MoE in the module): at every step each request's MTP drafts
     equal the module's greedy guesses computed densely from scratch (its paged cache caught up on exactly the
     accepted positions, chained drafts included); the tokens and float64 logprobs equal decoding without
     speculation, with the module's own drafts and with an oracle's (every draft accepted: several positions caught
     up per step), under preemption and a budget that cuts drafts, with an FP8 cache, and with the drafts verified
-    by the fixed-shape decode graph (the module then reads the graph's states)."""
+    by the fixed-shape decode graph (the module then runs over each step's rows inside it, and its other passes as
+    graphs of their own), with an FP8 cache there too."""
     model = _mtp_model()
     want, want_logprobs = _decode(Engine(model, block_size=4, **{k: v for k, v in settings.items()
                                                                    if k == "kv_cache_dtype"}))

@@ -575,7 +575,7 @@ class DecodeGraph:
         written = self._slots[self.layers:self.layers + 1] if mtp else self._slots[:self.layers + draft]
         written.index_copy_(2, meta[SLOTS], new_kv)
         if counts is not None:
-            blocks = self.mtp_blocks if mtp else self.moe_blocks + self.mtp_blocks * draft
+            blocks = self.mtp_blocks if mtp else self.moe_blocks + (self.mtp_blocks if draft else [])
             for block, count in zip(blocks, counts.unbind()):
                 block.record(count)
         if mtp:
