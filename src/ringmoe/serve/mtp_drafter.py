@@ -18,7 +18,9 @@ computed, in order:
 Every pass is one packed batch over the engine's requests (on a mesh, a plan every rank runs: the module's MoE
 exchanges its tokens like any layer); with the engine's decode graph, a pass of decode-like items (a verified
 step's rows, a chained draft; not a prompt chunk's) runs as a graph of its own (``DecodeGraph.run`` with ``mtp``),
-its head's greedy choice made inside it.  Drafts are greedy; the target's rule (``verify_drafts``) keeps the output
+its head's greedy choice made inside it, and on one process the catch-up needs no pass where the step's graph ran
+the module over its rows (``DRAFTED``: each row read the graph's greedy token) and the request took those tokens
+(``_caught_up``).  Drafts are greedy; the target's rule (``verify_drafts``) keeps the output
 distribution exact whatever they are.  A request never drafts when its rows are not plain (``can_speculate``),
 and requests that can never draft (penalties, n > 1) skip the module altogether.  A prefix-cache hit
 reuses the module's K/V written by the request that computed those blocks (the last position of a block read the
