@@ -109,7 +109,7 @@ def test_the_decode_graph_verifies_drafts(family, mode):
         graph = engine.runner.decode_graph
         bands, run, step = [], graph.run, graph.call  # per graph step: (items carry drafts, the band it ran)
         graph.run = lambda items, plan=None: (bands.append([any(item.drafts for item in items)]), run(items, plan))[1]
-        graph.call = lambda *args: (bands[-1].append(args[3].shape[1]), step(*args))[1]
+        graph.call = lambda *args, **options: (bands[-1].append(args[3].shape[1]), step(*args, **options))[1]
         compiled_before = counters["stats"]["unique_graphs"]
         got, logprobs = _decode(engine, drafter=drafter)
         assert got == want, (settings, drafter)

@@ -337,8 +337,9 @@ class DecodeGraph:
         # on a CPU each graph is called without torch.compile's entry once a step of its shapes ran through it
         # (``compiled_dispatch``; on a GPU the entry stays: that way is not verified there)
         self.dispatch = CompiledDispatch(self.fn) if compile and runner.device.type == "cpu" else None
-        # the multi-token prediction module's passes (catching up on a step's accepted rows, then each chained
-        # draft) run as graphs of their own, warmed up too, when the engine drafts with it (it sets ``mtp``)
+        # when the engine drafts with the multi-token prediction module (it sets ``mtp``), the steps run it over
+        # their rows (``mtp_in_steps``) and its other passes (a catch-up a step could not make, each chained draft,
+        # every pass on a mesh) run as graphs of their own, warmed up too
         self.mtp = False
         self.mtp_fn = compiled_step(model, mtp=True) if compile and len(model.mtp_layers) else _decode_step
         self.mtp_dispatch = CompiledDispatch(self.mtp_fn) if self.dispatch is not None and len(model.mtp_layers) \
@@ -415,10 +416,11 @@ class DecodeGraph:
         torch._dynamo.mark_static(meta, 0)
         fresh = self._fresh(list(range(rows)), band, [True] * rows if self.cp > 1 else None)
         self.call(runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
-                  self.merge_group, self.head, self._previous([], rows) if mtp else None, self.drafts and not mtp)
+                  self.merge_group, self.head, self._previous([], rows) if mtp else None, self.mtp_in_steps and not mtp,
+                  mtp=mtp)
 
     @property
-    def drafts(self) -> bool:
+    def mtp_in_steps(self) -> bool:
         """The model's steps also run the MTP module over their rows (``_decode_step``'s ``draft``): an engine
         drafting with it, on one process (the graph applies the head, whose greedy tokens the module reads)."""
         return self.mtp and self.head
@@ -434,11 +436,10 @@ class DecodeGraph:
         torch._dynamo.mark_static(previous, 1)  # the hidden size: a constant of the graph
         return previous
 
-    def call(self, *args):
-        """The step's function (``_decode_step``'s arguments; with ``previous``, the last, the MTP module's):
-        compiled, on a CPU through a ``CompiledDispatch`` keyed by what its graphs' guards read (rows, table width,
-        band, grad mode: the other inputs' shapes and dtypes are the engine's constants)."""
-        mtp = len(args) > 9 and args[9] is not None
+    def call(self, *args, mtp: bool = False):
+        """The step's function (``_decode_step``'s arguments; ``mtp``: its copy for the MTP module's passes, whose
+        ``previous`` is given): compiled, on a CPU through a ``CompiledDispatch`` keyed by what its graphs' guards
+        read (rows, table width, band, grad mode: the other inputs' shapes and dtypes are the engine's constants)."""
         fn, dispatch = (self.mtp_fn, self.mtp_dispatch) if mtp else (self.fn, self.dispatch)
         if dispatch is None:
             return fn(*args)
@@ -504,10 +505,12 @@ class DecodeGraph:
 
     def run(self, items: list, plan: list[list] | None = None, mtp: bool = False) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
-        hidden_size)} of the items with k drafts, as ``ModelRunner.step`` (``mtp``: a pass of the MTP module, as
-        ``ModelRunner.mtp_step``); and on one process {LOGITS: the ``HeadOutput`` of the LM head the graph applied}.  On a mesh ``plan`` holds every ep group's items: each rank
-        runs as many rows as the largest group (its MoE layers' exchanges take the same shapes from every rank), and
-        on a cp rank only cp rank 0 reports (every cp rank computes the same rows)."""
+        hidden_size)} of the items with k drafts (or read by the MTP module), as ``ModelRunner.step`` (``mtp``: a
+        pass of the MTP module, as ``ModelRunner.mtp_step``); and on one process {LOGITS: the ``HeadOutput`` of the
+        LM head the graph applied} and, where the step ran the MTP module over its rows, {DRAFTED: its
+        ``RowDrafts``}.  On a mesh ``plan`` holds every ep group's items: each rank runs as many rows as the largest
+        group (its MoE layers' exchanges take the same shapes from every rank), and on a cp rank only cp rank 0
+        reports (every cp rank computes the same rows)."""
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
         cp, cp_rank = self.cp, self.cp_rank
@@ -566,10 +569,10 @@ class DecodeGraph:
             for block in self.moe_blocks + self.mtp_blocks:  # weights changed since they were bound: bound anew
                 if not block.c_binding_current():  # (or unbound: stale)
                     block.bind_c_experts()
-        draft = self.drafts and not mtp
+        draft = self.mtp_in_steps and not mtp
         hidden, logits, tokens, logprobs, counts, new_kv, states, drafts = self.call(
             runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs, self.merge_group,
-            self.head, self._previous(items, rows) if mtp else None, draft)
+            self.head, self._previous(items, rows) if mtp else None, draft, mtp=mtp)
         # every layer's K and V at the rows' slots in one write: new_kv (layers, 2 or 1, B, kv heads, D) into the
         # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         written = self._slots[self.layers:self.layers + 1] if mtp else self._slots[:self.layers + draft]

@@ -137,9 +137,9 @@ class MTPDrafter:
     def _greedy(self, states: dict, request_ids: list[str]) -> list[int]:
         """The head's greedy guess from each request's last state of a pass (``states``: its reports): the decode
         graph's choice where the pass ran as one on this process (``LOGITS``), else the head applied here."""
-        head = states.get(LOGITS)
         if not request_ids:
             return []
+        head = states.get(LOGITS)
         if head is not None:
             return [token for token, _ in head.last_rows(request_ids)[1]]
         with torch.no_grad():
