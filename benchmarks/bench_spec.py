@@ -5,7 +5,7 @@ n-gram (``--only ngram``):
 Model: the trained demo model (``make demo``'s, trained here once if absent: ~3 minutes), float32, 2 threads.
 Prompts: code completion of the standard library's sources (each prompt: the first 192 tokens of a .py file;
 code repeats its identifiers, so the continuation often copies an earlier run), greedy, 64 new tokens.
-At concurrency c: max(4, 3c) requests, c running at once (max_num_seqs = c: a finished request's place is taken
+At concurrency c: max(8, 3c) requests, c running at once (max_num_seqs = c: a finished request's place is taken
 by the next, so the load stays at c while any wait, as under a server's steady load; with only c requests a
 request that speculation finishes early leaves the others to run on with fewer rows, and the run lasts as long as
 the one whose drafts fail), on the offline engine; each engine
@@ -213,7 +213,7 @@ def repeated_share(prompt_ids: list[list[int]], outputs: list[list[int]], n: int
 
 def requests(concurrency: int) -> int:
     """Requests of the n-gram runs at ``concurrency`` (see the module's docstring)."""
-    return max(4, 3 * concurrency)
+    return max(8, 3 * concurrency)
 
 
 def ceiling(plain: dict, drafted: dict, count: int) -> float:

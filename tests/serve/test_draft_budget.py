@@ -47,15 +47,25 @@ def test_the_measured_case_of_one_request():
     assert _goodput(budget, [3], 1) > max(_goodput(budget, [n], 1) for n in (0, 1, 2, 4))
 
 
+def test_a_first_draft_that_does_not_pay_alone_can_open_the_way_to_several_that_do():
+    """One request, the second row of a step costing half a step more and the rows after it little (as one request's
+    compiled step on this CPU): the first draft alone lowers the tokens per second, all four raise them."""
+    budget = _budget([(100, 45), (100, 40), (100, 40), (100, 40)], {1: 1.0, 2: 1.5, 3: 1.55, 4: 1.58, 5: 1.6})
+    assert _goodput(budget, [1], 1) < _goodput(budget, [0], 1) < _goodput(budget, [4], 1)
+    assert budget.lengths([4], 1) == [4]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_kept_drafts_maximise_goodput(seed):
-    """Step seconds growing linearly with the rows (at random rates) and random acceptance: no other choice of
-    drafts per request (each a prefix of its proposal) gives more expected tokens per second."""
+    """Random acceptance, and step seconds growing linearly with the rows (at random rates; even seeds) or at random
+    per row count (odd seeds: a step's time need not grow evenly, nor at all): no other choice of drafts per
+    request (each a prefix of its proposal) gives more expected tokens per second."""
     rng = random.Random(seed)
     positions = rng.randint(1, 4)
     proposed = [rng.randint(5, 60) for _ in range(positions)]
-    budget = _budget([(p, rng.randint(0, p)) for p in proposed],
-                     {r: 1.0 + rng.uniform(0.0, 0.6) * r for r in (1, 2)})
+    seconds = ({r: 1.0 + rng.uniform(0.0, 0.6) * r for r in (1, 2)} if seed % 2 == 0 else
+               {r: rng.uniform(1.0, 3.0) for r in range(1, 24)})
+    budget = _budget([(p, rng.randint(0, p)) for p in proposed], seconds)
     proposals = [rng.randint(0, positions) for _ in range(rng.randint(1, 4))]
     rows = len(proposals) + rng.randint(0, 3)  # running requests, some without drafts
     ids = [f"r{j}" for j in range(len(proposals))]
