@@ -297,6 +297,40 @@ def test_moe_statistics_count_the_real_rows_only(pads):
     assert counts["static"] == counts["off"]
 
 
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_step_admitting_a_prompt_runs_its_decode_rows_in_the_graph(drafts):
+    """Two requests at a time, four of them of different lengths: each admission's step runs the running requests'
+    rows (and their n-gram drafts) through the graph and the new prompt eagerly; every step's tokens, float64
+    logits (1e-10) and expert counts are the eager engine's, step by step."""
+    model = _model("tiny")
+    pattern = [5, 9, 17, 33, 2, 7, 40]
+    prompts = [pattern * 3, list(range(60, 75)) * 2, [3, 4] * 9 + [8], [11, 12, 13] * 4]
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if drafts else None
+    runs = {}
+    for mode in ("off", "static"):
+        engine = Engine(model, decode_graph=mode, return_logits=True, max_num_seqs=2, speculative_config=spec)
+        for prompt, new in zip(prompts, (7, 15, 11, 9)):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        tokens, logits, counts = {}, {}, []
+        while engine.has_unfinished:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logits.setdefault(out.request_id, []).append(out.logits)
+            stats = engine.last_stats
+            assert sum(stats.tokens_per_expert) == stats.batch_tokens * model.config.top_k * len(model.moe_layers())
+            counts.append(stats.tokens_per_expert)
+        engine.blocks.check_integrity()
+        runs[mode] = (tokens, logits, counts, engine)
+    (tokens, logits, counts, eager), (graph_tokens, graph_logits, graph_counts, engine) = runs["off"], runs["static"]
+    assert engine.runner.split_steps >= 2 and eager.runner.split_steps == 0
+    assert graph_tokens == tokens and graph_counts == counts
+    for request_id, rows in logits.items():
+        for a, b in zip(rows, graph_logits[request_id]):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+    if drafts:
+        assert engine.spec_stats.num_draft_tokens == eager.spec_stats.num_draft_tokens > 0
+
+
 def test_bad_decode_graph_mode_is_refused():
     with pytest.raises(ValueError, match="decode_graph"):
         Engine(_model("tiny"), decode_graph="fast")

@@ -67,8 +67,9 @@ function with the rows' states one depth down as one more input, which runs the 
 model's (a copy of the code of its own: ``compiled_step``): a catch-up as an item of several rows (the band's
 causal mask), a chained draft as a row per request; the K/V go to the module's layer of the cache, and on one
 process its head's greedy choice is made inside the graph.
-Prompt chunks, steps that mix them with decodes, copies on write, prompt logprobs, the deterministic
-mode, capacity-bounded experts and expert replicas take the eager path (``ModelRunner.step``).
+Prompt chunks, copies on write, prompt logprobs, the deterministic mode, capacity-bounded experts and expert
+replicas take the eager path (``ModelRunner.step``); on one process (without MTP) a step that mixes such items with
+decodes runs the decodes (and their drafts) as a graph step and only the rest eagerly.
 ``compile=False`` runs the same padded fixed-shape step eagerly (what the equality tests compare against, and a
 fallback).
 """

@@ -329,13 +329,16 @@ class Engine:
         drafted = [r for r in due if r.draft_ids]
         due = [r for r in due if r.params.max_tokens > 0 and not r.draft_ids]
         outputs = [out for r in prompt_only for out in self._prompt_only(r)]
-        head = reports.get(LOGITS)  # a compiled step that applied the LM head itself (``decode_graph.HeadOutput``)
-        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)], head)]
+        # a compiled step that applied the LM head itself (``decode_graph.HeadOutput``): to the rows of its items (a
+        # step admitting a prompt ran the other items eagerly: ``ModelRunner.step``)
+        head = reports.get(LOGITS)
+        outputs += [out for r in drafted for out in self._verify(
+            r, reports[("all", r.request_id)], head if head is not None and r.request_id in head.spans else None)]
         if due:
-            if head is not None:
+            if head is not None and all(r.request_id in head.spans for r in due):
                 logits, greedy = head.last_rows([r.request_id for r in due])
             else:
-                logits, greedy = self._head(torch.stack([reports[r.request_id] for r in due])), None
+                logits, greedy = self._due_logits(due, reports, head), None
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
             chosen = self._plain_rows(due, logits, masks, greedy)
             # each row's logits where a row still draws its token or the engine returns them (else no views made)
@@ -547,6 +550,17 @@ class Engine:
         """Driver: release the workers (their run_worker returns).  One process: nothing to do."""
         if self.is_driver and self.mesh.size > 1:
             dist.broadcast_object_list([None], src=0)
+
+    def _due_logits(self, due: list[Request], reports: dict, head: HeadOutput | None) -> torch.Tensor:
+        """float32 logits (len(due), vocab) of the due requests' last rows: the graph's head where it has the row,
+        else the LM head on the reported hidden state."""
+        graphed = [r.request_id for r in due if head is not None and r.request_id in head.spans]
+        rows = dict(zip(graphed, head.last_rows(graphed)[0])) if graphed else {}
+        eager = [r for r in due if r.request_id not in rows]
+        if eager:
+            rows |= zip([r.request_id for r in eager],
+                        self._head(torch.stack([reports[r.request_id] for r in eager])))
+        return torch.stack([rows[r.request_id] for r in due])
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 logits (..., vocab) of hidden states (..., hidden) an eager step reported."""
