@@ -11,11 +11,13 @@ import multiprocessing as mp
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +114,51 @@ def test_saving_the_same_step_again_replaces_it_only_once_the_new_copy_is_comple
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
 
 
+class _Killed(BaseException):
+    """Where the test stops a save, as a SIGKILL would (a BaseException: nothing in the save catches it)."""
+
+
+@pytest.mark.parametrize("start", ["saved", "stopped between the renames of a re-save"])
+def test_a_re_save_stopped_before_any_of_its_file_operations_leaves_a_complete_state(tmp_path, monkeypatch, start):
+    """Every rename, replace and removal of a re-save of step N, in turn, is where it stops: ``latest`` still
+    resolves to a complete copy of step N, from which ``resume`` continues exactly; also when the save starts
+    from the state a stop between the two renames leaves (``step-N.old`` the only complete copy)."""
+    trainer = _trainer()
+    trainer.step()
+    expected = _state(trainer)
+    operations = {"rename": Path.rename, "replace": Path.replace, "rmtree": shutil.rmtree}
+    stop_at, stopped = 0, True
+    while stopped:
+        stop_at += 1
+        out = tmp_path / f"stop{stop_at}"
+        save(trainer, out)
+        if start != "saved":
+            (out / "step-000001").rename(out / "step-000001.old")
+        countdown = [stop_at]
+
+        def counted(operation):
+            def run(*args, **kwargs):
+                countdown[0] -= 1
+                if countdown[0] == 0:
+                    raise _Killed
+                return operations[operation](*args, **kwargs)
+            return run
+
+        for name in ("rename", "replace"):
+            monkeypatch.setattr(Path, name, counted(name))
+        monkeypatch.setattr(shutil, "rmtree", counted("rmtree"))
+        try:
+            save(trainer, out)
+            stopped = False
+        except _Killed:
+            pass
+        monkeypatch.undo()
+        fresh = _trainer(seed=11)
+        assert resume(fresh, out) and fresh.step_count == 1, (start, stop_at)
+        assert all(torch.equal(fresh.model.state_dict()[k], expected[k]) for k in expected)
+    assert stop_at >= 4  # the stops went through the staging removal, both renames and the pointer
+
+
 def _save_forever(trainer, out, steps_per_life):
     """What `ringmoe train --resume --save-every 1` does, killed at any moment by the parent.
 
@@ -152,7 +199,10 @@ def test_sigkill_at_random_points_of_saves_always_resumes_from_the_last_complete
         fresh = _trainer(seed=11)
         assert resume(fresh, tmp_path)
         step = fresh.step_count
-        newest = int(complete_steps(tmp_path)[-1].name.split("-")[1])
+        on_disk = [int(f.name.split("-")[1]) for f in complete_steps(tmp_path)]
+        if folder.name.endswith(".old"):  # killed between the two renames of a re-save: the aside copy is the state
+            on_disk.append(int(folder.name[len("step-"):-len(".old")]))
+        newest = max(on_disk)
         assert newest - 1 <= step <= newest  # the last complete step (the one before: killed before the pointer)
         assert step >= previous  # never back to an older state
         assert all(torch.equal(fresh.model.state_dict()[k], states[step][k]) for k in states[step])

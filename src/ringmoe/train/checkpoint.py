@@ -77,10 +77,13 @@ def _write_text(path: Path, text: str) -> None:
 
 def _replace_folder(staging: Path, final: Path) -> Path:
     """Put the complete ``staging`` folder at ``final``; an existing ``final`` goes aside (returned: the caller
-    deletes it once nothing points at it)."""
+    deletes it once nothing points at it).
+
+    Without ``final`` an existing ``final.old`` is kept until then too: it is the complete copy ``latest`` resolves
+    to when an earlier re-save was stopped between its two renames."""
     aside = final.with_name(final.name + ".old")
-    shutil.rmtree(aside, ignore_errors=True)
-    if final.exists():
+    if final.exists():  # complete (only ever made by renaming a complete staging folder): the old aside can go
+        shutil.rmtree(aside, ignore_errors=True)
         final.rename(aside)
     staging.rename(final)
     _fsync(final.parent)
