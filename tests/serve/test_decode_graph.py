@@ -1,6 +1,10 @@
 """The decode graph (padded buckets, fixed-shape layer stack, torch.compile) computes what the eager step computes:
 the same greedy tokens and the same logits, at every bucket boundary, for every family, with windows, sinks,
-shared experts and dense layers, under preemption and prefix hits; and steps it cannot run fall back."""
+shared experts and dense layers, under preemption and prefix hits; and steps it cannot run fall back.
+
+``make test`` runs the compiled graph in the bucket-boundary test (and the graph tests of other files); the compiled
+twins of tests whose static variant checks the same steps, and the long-table test of the tensor-ops attention
+form (the C kernel's is kept), are marked slow (``make test-all``): the suite stays within its time."""
 
 from __future__ import annotations
 
@@ -177,7 +181,7 @@ def test_steps_the_graph_cannot_run_take_the_eager_path():
     assert [[c.token for c in o.logprobs] for o in static] == [[c.token for c in o.logprobs] for o in eager]
 
 
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_the_graphs_greedy_choices_are_plain_batchs(mode):
     """Graph steps choose as eager steps do: the tokens are the eager engine's, the chosen tokens'
     log-probabilities (``logprobs=0``) agree to float32 rounding, and sampled rows next to greedy ones draw as
@@ -207,7 +211,7 @@ def test_the_graphs_greedy_choices_are_plain_batchs(mode):
             assert all(c.logprob < 0 for c in b)
 
 
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_graph_steps_take_the_graphs_head_and_greedy_choice(mode):
     """Every graph step, of one row or more, applies the LM head and the greedy choice inside the graph
     (``HeadOutput`` reported): a greedy request's tokens and log-probabilities are the eager engine's (to float32
@@ -250,7 +254,7 @@ def test_graph_steps_take_the_graphs_head_and_greedy_choice(mode):
     assert out.finish_reason == "error" and "NaN" in out.error and out.output_ids == clean[:2]
 
 
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_nan_logits_in_a_graph_step_end_only_their_request(mode):
     """A request whose decode reads a NaN (its first generated token's embedding) ends with an error in a graph
     step; the other requests of that step go on with the eager engine's tokens."""
@@ -366,7 +370,7 @@ def test_a_server_compiles_its_decode_step_and_answers_as_the_eager_one(served_c
     assert answers[0][1] == answers[0][0][0]
 
 
-@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("kernel", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_contexts_past_the_long_threshold_meet_a_graph_compiled_at_start_up(kernel, monkeypatch):
     """Inductor guards a compiled float32 sum on its length being <= LONG_SUM (past it the sum takes another form):
     the attention sums within blocks first, so a table of up to LONG_SUM blocks (65,536 keys here) runs the graph
