@@ -332,13 +332,9 @@ class Engine:
         # a compiled step that applied the LM head itself (``decode_graph.HeadOutput``): to the rows of its items (a
         # step admitting a prompt ran the other items eagerly: ``ModelRunner.step``)
         head = reports.get(LOGITS)
-        outputs += [out for r in drafted for out in self._verify(
-            r, reports[("all", r.request_id)], head if head is not None and r.request_id in head.spans else None)]
+        outputs += [out for r in drafted for out in self._verify(r, reports[("all", r.request_id)], head)]
         if due:
-            if head is not None and all(r.request_id in head.spans for r in due):
-                logits, greedy = head.last_rows([r.request_id for r in due])
-            else:
-                logits, greedy = self._due_logits(due, reports, head), None
+            logits, greedy = self._due_logits(due, reports, head)
             masks = grammar_masks([r.matcher for r in due], logits.shape[1])
             chosen = self._plain_rows(due, logits, masks, greedy)
             # each row's logits where a row still draws its token or the engine returns them (else no views made)
@@ -411,7 +407,7 @@ class Engine:
         stop rules; the next row is used while the draw is the draft.  The cache keeps only accepted positions."""
         drafts, request.draft_ids = request.draft_ids, []
         logits = choices = None  # choices: per row, the graph's greedy choice, where it is the row's draw
-        if head is not None:  # the compiled step applied the LM head: this request's rows of it
+        if head is not None and request.request_id in head.spans:  # the compiled step applied the LM head to its rows
             first, count = head.spans[request.request_id]
             logits, rows = head.logits[first:first + count], range(first, first + count)
             # a greedy request without a grammar draws each row's argmax, unless a row has none (its log-probability
@@ -551,16 +547,18 @@ class Engine:
         if self.is_driver and self.mesh.size > 1:
             dist.broadcast_object_list([None], src=0)
 
-    def _due_logits(self, due: list[Request], reports: dict, head: HeadOutput | None) -> torch.Tensor:
-        """float32 logits (len(due), vocab) of the due requests' last rows: the graph's head where it has the row,
-        else the LM head on the reported hidden state."""
+    def _due_logits(self, due: list[Request], reports: dict,
+                    head: HeadOutput | None) -> tuple[torch.Tensor, list[tuple[int, float]] | None]:
+        """float32 logits (len(due), vocab) of the due requests' last rows, and the graph's greedy choices where the
+        graph's head has every row (else None): its head where it has a row, else the LM head on the reported hidden
+        state (a step admitting a prompt ran those items eagerly)."""
         graphed = [r.request_id for r in due if head is not None and r.request_id in head.spans]
+        if len(graphed) == len(due):
+            return head.last_rows(graphed)
         rows = dict(zip(graphed, head.last_rows(graphed)[0])) if graphed else {}
-        eager = [r for r in due if r.request_id not in rows]
-        if eager:
-            rows |= zip([r.request_id for r in eager],
-                        self._head(torch.stack([reports[r.request_id] for r in eager])))
-        return torch.stack([rows[r.request_id] for r in due])
+        eager = [r.request_id for r in due if r.request_id not in rows]
+        rows |= zip(eager, self._head(torch.stack([reports[request_id] for request_id in eager])))
+        return torch.stack([rows[r.request_id] for r in due]), None
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 logits (..., vocab) of hidden states (..., hidden) an eager step reported."""
