@@ -10,7 +10,8 @@ by the next, so the load stays at c while any wait, as under a server's steady l
 request that speculation finishes early leaves the others to run on with fewer rows, and the run lasts as long as
 the one whose drafts fail), on the offline engine; each engine
 runs them five times, taking turns with the other engines of its concurrency; the median run is kept.
-Each concurrency runs six engines: eager / compiled decode graph, each without drafts, with
+Each concurrency runs six engines: eager / compiled decode graph (prompt chunks in the graph too,
+``prefill_graph=True``, as ``ringmoe serve`` runs them), each without drafts, with
 ``{"method": "ngram", "num_speculative_tokens": K}`` (every draft proposed is verified; steps without drafts use the
 compiled graph too) and with ``"draft_length": "goodput"`` added (each step keeps the drafts that raise its expected
 tokens per second, from the acceptance and step times the engine measures: ``serve/draft_budget.py``).  Greedy
@@ -72,7 +73,7 @@ def run(path, prompt_ids, concurrency, new, variants: dict) -> dict:
     for key, (spec, graph) in variants.items():
         engine = Engine.from_checkpoint(path, max_num_seqs=concurrency, kv_cache_tokens=65536,
                                         decode_graph="compiled" if graph else "off", speculative_config=spec,
-                                        prefix_caching=False)  # every run prefills its prompts
+                                        prefill_graph=graph, prefix_caching=False)  # every run prefills its prompts
         engine.generate(prompt_ids[:1], params)  # warm-up (the compiled graph is already built)
         engines[key], times[key] = engine, []
         before[key] = (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens,

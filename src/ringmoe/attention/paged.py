@@ -176,7 +176,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  new: tuple[torch.Tensor, torch.Tensor] | None = None,
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                  fresh: torch.Tensor | None = None, by_block: bool = False, cached: torch.Tensor | None = None,
-                 first: torch.Tensor | None = None, return_lse: bool = False):
+                 first: torch.Tensor | None = None, return_lse: bool = False, causal: bool = False):
     """New tokens against a paged cache, one query row each, in fixed-shape tensor ops (no host work: what the
     compiled decode step runs).
 
@@ -210,15 +210,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``fresh`` marks only the new keys this rank keeps (a row may see none: its part then has lse -inf and output
     0, never NaN); ``contexts`` stays each row's position + 1 (the window of the new keys).  ``return_lse``: (out,
     lse (n, heads) in the accumulation dtype), before ``sinks`` (added once the ranks' parts are merged).
+
+    ``causal`` (with ``new``, ``fresh`` None, one process): the rows are consecutive positions of one sequence (a
+    prompt chunk): row r sees the new keys of rows 0 .. r (inside its window) and the same cached keys as row 0,
+    contexts[0] - 1 of them.  The new keys' part is then one product of the rows by all of them, (n, n) scores a
+    head, masked causally: no gathered copy of a band per row (a chunk of n rows would gather n^2 keys).
     """
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    if new is not None and fresh is None:
+    if causal and (new is None or fresh is not None or cached is not None):
+        raise ValueError("paged_decode: causal takes the rows' new keys (new) and neither fresh nor cached")
+    if new is not None and fresh is None and not causal:
         fresh = torch.ones(n, 1, dtype=torch.bool, device=q.device)
     partial = cached is not None  # a cp rank's part: a row may see no key at all here
-    if cached is None:  # keys to read from the cache
-        cached = contexts - (0 if new is None else fresh.sum(1))
+    rows = torch.arange(n, device=q.device)
+    if cached is None:  # keys to read from the cache (causal: row r's new keys are its r + 1 last ones)
+        cached = contexts - (0 if new is None else rows + 1 if causal else fresh.sum(1))
     if first is None:  # the first cached key inside the row's window
         first = (contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts)
     cached = cached[:, None]
@@ -235,9 +243,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out, lse = out.view(n, kv_heads, group, dim), lse.view(n, kv_heads, group)
     else:
         out, lse = _cached_part(qg, k_cache, v_cache, tables, first, cached, length, kv_scales, by_block, scale)
-    if new is not None:
+    if causal:
+        new_out, new_lse = _causal_new_part(qg, new, contexts, window_left, scale)
+        merged = torch.logaddexp(lse, new_lse)  # finite: every row sees its own key
+        out = out * torch.exp(lse - merged)[..., None] + new_out * torch.exp(new_lse - merged)[..., None]
+        lse = merged
+    elif new is not None:
         band = fresh.shape[1]
-        source = (torch.arange(n, device=q.device)[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
+        source = (rows[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
         seen = fresh  # row s's new key sits at contexts[s] - 1, inside row r's window when >= contexts[r] - 1 - left
         if window_left >= 0:
             seen = seen & (contexts[source] >= contexts[:, None] - window_left)
@@ -263,6 +276,38 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out, _ = add_sinks(out[None], lse.reshape(n, heads).T[None], sinks)
         out = out[0]
     return out.to(q.dtype)
+
+
+def _causal_new_part(qg: torch.Tensor, new: tuple[torch.Tensor, torch.Tensor], contexts: torch.Tensor,
+                     window_left: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode``'s causal rows against their own new keys: qg (n, kv_heads, G, D) in the accumulation dtype,
+    new = (K, V) (n, kv_heads, D) -> out (n, kv_heads, G, D), lse (n, kv_heads, G).  Row r sees row c's key for
+    c <= r (and, under a window, contexts[c] >= contexts[r] - window_left).  Without a window: torch's CPU flash
+    kernel (its causal tiles skip the keys past a row), which returns the lse too; on other devices and with a
+    window: the (n, n) scores of every head, masked.  The rows are one sequence's: a value of a key a row does not
+    see may still enter its product by a zero weight, so the sequence's own NaN can reach only its own rows."""
+    n, kv_heads, group, dim = qg.shape
+    acc = qg.dtype
+    keys, values = (x.to(acc).transpose(0, 1)[:, None] for x in new)                    # (Hkv, 1, n, D)
+    queries = qg.permute(1, 2, 0, 3)                                                     # (Hkv, G, n, D)
+    if window_left < 0 and qg.device.type == "cpu":
+        # (K/V heads shared by a view; the kernel reads them as (1, heads, n, D))
+        keys, values = (x.expand(-1, group, -1, -1).reshape(1, kv_heads * group, n, dim) for x in (keys, values))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries.reshape(1, kv_heads * group, n, dim), keys, values, 0.0, True, scale=scale)[:2]
+        out, lse = out.view(kv_heads, group, n, dim), lse.view(kv_heads, group, n)
+    else:
+        scores = torch.matmul(queries, keys.transpose(2, 3)) * scale                     # (Hkv, G, n, n)
+        seen = contexts[None, :] <= contexts[:, None]                                    # (n, n): key c, row r
+        if window_left >= 0:
+            seen = seen & (contexts[None, :] >= contexts[:, None] - window_left)
+        scores = torch.where(seen, scores, float("-inf"))
+        peak = scores.amax(-1, keepdim=True)  # finite: a row sees its own key
+        weights = torch.exp(scores - peak)
+        total = weights.sum(-1, keepdim=True)
+        out = torch.matmul(weights, values) / total                                      # (Hkv, G, n, D)
+        lse = (peak + torch.log(total))[..., 0]
+    return out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:

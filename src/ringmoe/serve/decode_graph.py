@@ -67,9 +67,17 @@ function with the rows' states one depth down as one more input, which runs the 
 model's (a copy of the code of its own: ``compiled_step``): a catch-up as an item of several rows (the band's
 causal mask), a chained draft as a row per request; the K/V go to the module's layer of the cache, and on one
 process its head's greedy choice is made inside the graph.
-Prompt chunks, copies on write, prompt logprobs, the deterministic mode, capacity-bounded experts and expert
-replicas take the eager path (``ModelRunner.step``); on one process (without MTP) a step that mixes such items with
-decodes runs the decodes (and their drafts) as a graph step and only the rest eagerly.
+Prompt chunks run as graphs of the same function too where the engine asks for it (``Engine(prefill_graph=True)``,
+the default of ``ringmoe serve``; one CPU process, without MTP drafting): ``prefill`` calls it once per chunk (up to
+``PREFILL_ROWS`` rows a call), the chunk's rows reading the request's cached keys like decode rows and each other's
+new keys causally (``paged_decode``'s ``causal``: torch's CPU flash kernel inside the graph), without the LM head
+(applied eagerly to the chunk's last row when a token is due).  Only chunks whose rows put every MoE layer's experts
+in their sorted form (``prefill_from``: one graph for every chunk length) run so; shorter ones run eagerly.
+Measured on the trained demo model (``bench_spec.py``): a 192-token prompt's prefill ~2x faster than eager.
+Copies on write, prompt logprobs, the deterministic mode, capacity-bounded experts and expert replicas take the
+eager path (``ModelRunner.step``); on one process (without MTP) a step that mixes such items with decodes and
+prompt chunks runs the decodes (and their drafts) as a graph step, the chunks the graph takes through ``prefill``
+and only the rest eagerly.
 ``compile=False`` runs the same padded fixed-shape step eagerly (what the equality tests compare against, and a
 fallback).
 """
@@ -94,13 +102,15 @@ from ..prepacked import DecodePanels
 from .compiled_dispatch import CompiledDispatch
 from .placement import local_count
 
-__all__ = ["DRAFTED", "DecodeGraph", "HeadOutput", "LOGITS", "RowDrafts", "bucket"]
+__all__ = ["DRAFTED", "DecodeGraph", "HeadOutput", "LOGITS", "PREFILL_ROWS", "RowDrafts", "bucket"]
 
 MIN_WIDTH = 2  # blocks per table row at least: a width of 1 would be a shape torch.compile specialises
 # inductor compiles a float32 sum of more than this many terms as a chunked cascade sum, and guards the graph on
 # the sum's length being at most this: the attention's longest sum runs over a row's blocks (``paged_decode``
 # sums within each block first), so a table wider than this many blocks is another graph
 LONG_SUM = 4096
+# the most rows of a prompt chunk's graph call (``DecodeGraph.prefill``): its causal scores are (rows, rows) a head
+PREFILL_ROWS = 512
 FRESH_MASKS = 4096  # ``DecodeGraph._fresh``'s masks kept (cleared when full: a bound on the host memory they take)
 
 
@@ -166,6 +176,9 @@ class TableAttention:
     (``paged_decode``'s ``cached`` and ``first``), and the new keys ``fresh`` marks are those this rank keeps; the
     ranks' partial results merge over the group (one all-gather a layer), then the sinks join.
 
+    fresh None (one process): the rows are one prompt chunk, consecutive positions of one request, each seeing the
+    chunk's new keys up to its own (``paged_decode``'s ``causal``).
+
     absorbed (MLA): the cache holds each token's latent and RoPE key once (the layer attends in the latent space,
     its keys and values the same vectors): ``new_kv`` keeps them once per layer."""
 
@@ -199,7 +212,8 @@ class TableAttention:
         window = options["window_size"][0]
         if self.merge_group is None:
             return paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, window, options["sinks"],
-                                new=own, kv_scales=scales, fresh=self.fresh, by_block=True)[None]
+                                new=own, kv_scales=scales, fresh=self.fresh, by_block=True,
+                                causal=self.fresh is None)[None]
         out, lse = paged_decode(q[0], k_cache, v_cache, self.tables, self.contexts, length, window, new=own,
                                 kv_scales=scales, fresh=self.fresh, by_block=True, cached=self.cached,
                                 first=self.firsts.get(window), return_lse=True)
@@ -363,6 +377,10 @@ class DecodeGraph:
         self.steps = 0  # decode steps run through the graph
         self.drafts_verified = 0  # speculative draft tokens the graph has verified
         self.mtp_passes = 0  # passes of the MTP module run through the graph
+        # prompt chunks run as graphs too (``prefill``) when the engine sets this: the most rows of one call (a longer
+        # chunk runs as several calls); 0: prompt chunks run eagerly
+        self.prefill_rows = 0
+        self.prefill_calls = 0  # graph calls that ran prompt rows
         self._masks: dict[tuple, torch.Tensor] = {}  # ``_fresh``'s masks made so far (at most FRESH_MASKS)
         self._tables: tuple[list, torch.Tensor | None] = ([], None)  # the last step's tables: as lists, as a tensor
 
@@ -380,6 +398,9 @@ class DecodeGraph:
         runs = self._warm_up_runs(max_rows, self.band)
         if self.band > 1:
             runs += self._warm_up_runs(max(1, max_rows // self.band), 1)
+        if self.prefill_rows:  # prompt chunks (``prefill``): one graph, the experts in their sorted form
+            # (rows other than the short table's width 3: torch.compile would take the two for one size)
+            runs += [(max(self.prefill_from, 4), width, 0) for _, width, _ in self._warm_up_runs(1, 0)]
         # the model's float attributes (norms' eps, RoPE's base...) traced as constants of the graph, not as inputs
         # made into tensors at every call (~2-3 us each; only tracing reads the flag: the graphs are made here)
         with torch._dynamo.config.patch(specialize_float=True):
@@ -415,6 +436,12 @@ class DecodeGraph:
         meta[CONTEXTS], meta[REAL], meta[SLOTS] = 1, 1, scratch * runner.block_size
         tables = torch.full((rows, width), scratch, dtype=torch.long, device=runner.device)
         torch._dynamo.mark_static(meta, 0)
+        if band == 0:  # a prompt chunk (``prefill``): positions 0 .. rows - 1 of one sequence, no head
+            meta[POSITIONS] = torch.arange(rows, device=runner.device)
+            meta[CONTEXTS] = meta[POSITIONS] + 1
+            self.call(runner.model, meta, tables, None, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
+                      None, False, None, False)
+            return
         fresh = self._fresh(list(range(rows)), band, [True] * rows if self.cp > 1 else None)
         self.call(runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs,
                   self.merge_group, self.head, self._previous([], rows) if mtp else None, self.mtp_in_steps and not mtp,
@@ -445,7 +472,8 @@ class DecodeGraph:
         if dispatch is None:
             return fn(*args)
         meta, tables, fresh = args[1:4]
-        return dispatch((meta.shape[1], tables.shape[1], fresh.shape[1], torch.is_grad_enabled()), args)
+        band = 0 if fresh is None else fresh.shape[1]  # 0: a prompt chunk (causal rows)
+        return dispatch((meta.shape[1], tables.shape[1], band, torch.is_grad_enabled()), args)
 
     def warm_up_sizes(self, max_rows: int) -> list[int]:
         """The batch sizes ``warm_up`` runs: every bucket, and without padding also each side of every switch
@@ -503,6 +531,61 @@ class DecodeGraph:
         return all((item.kind == "decode" if graph.cp > 1 else item.kind == "paged" and (item.generated or item.drafts))
                    and len(item.token_ids) == 1 + item.drafts <= graph.band and not item.copies
                    and (item.report_all == bool(item.drafts) or graph.mtp) for group in groups for item in group)
+
+    @staticmethod
+    def takes_prompt(runner, item) -> bool:
+        """Does ``prefill`` run this item: a prompt chunk of ``prefill_from`` tokens or more of a paged request, on
+        one process, with nothing else asked of it (no prompt logprobs, no copy on write), the engine not drafting
+        with an MTP module (its passes read the prompt's states) and outside the deterministic mode."""
+        graph = runner.decode_graph
+        return (graph is not None and graph.prefill_rows > 0 and runner.mesh.size == 1 and not runner.deterministic
+                and not graph.mtp and item.kind == "paged" and not item.generated and not item.drafts
+                and not item.report_all and not item.copies and not item.keep_hidden
+                and len(item.token_ids) >= graph.prefill_from and all(block.static_ready for block in graph.moe_blocks))
+
+    @property
+    def prefill_from(self) -> int:
+        """The fewest rows of a prompt chunk ``prefill`` runs: where every MoE layer's experts take their sorted form
+        (``MoELayer.forward_static``), so one graph serves every chunk (shorter ones run eagerly), and two at least
+        (torch.compile makes a graph of its own for one row)."""
+        return max([2] + [edge for block in self.moe_blocks for edge in block.static_form_edges()])
+
+    def prefill(self, items: list) -> dict:
+        """Prompt chunks (each ``takes_prompt``) as graph steps, one request's rows a call (at most ``prefill_rows``:
+        a longer chunk is cut into near-equal parts, each reading the K/V the part before wrote): a row sees its
+        chunk's keys up to its own (``TableAttention``'s causal rows) and the request's cached keys before the
+        chunk, and the graph applies no LM head.  {request_id: hidden (hidden_size,)} of the last row of each
+        reported item, as ``ModelRunner.step``; the MoE counts of every call in ``runner.expert_counts``."""
+        runner, block_size, scratch = self.runner, self.runner.block_size, self.runner.scratch_block
+        reports, total = {}, None
+        for item in items:
+            tokens, table = item.token_ids, item.tables[0]
+            parts = -(-len(tokens) // self.prefill_rows)
+            bounds = [item.start + len(tokens) * i // parts for i in range(parts + 1)]
+            for start, end in zip(bounds, bounds[1:]):
+                blocks = table[:-(-start // block_size)]  # the request's keys before the part
+                width = max(MIN_WIDTH, bucket(max(len(blocks), 1)))
+                positions = list(range(start, end))
+                meta = torch.tensor([tokens[start - item.start:end - item.start], positions,
+                                     [p + 1 for p in positions], [1] * len(positions),
+                                     [table[p // block_size] * block_size + p % block_size for p in positions]],
+                                    dtype=torch.long, device=self.device)
+                torch._dynamo.mark_static(meta, 0)
+                tables = torch.tensor([blocks + [scratch] * (width - len(blocks))], dtype=torch.long,
+                                      device=self.device).clamp_(min=0).expand(len(positions), width).contiguous()
+                hidden, _, _, _, counts, new_kv, _, _ = self.call(
+                    runner.model, meta, tables, None, runner.kv_buffer, runner.kv_scales, self.rope_freqs, None, False,
+                    None, False)
+                self._slots[:self.layers].index_copy_(2, meta[SLOTS], new_kv)
+                if counts is not None:
+                    for block, count in zip(self.moe_blocks, counts.unbind()):
+                        block.record(count)
+                    total = counts if total is None else total + counts
+                self.prefill_calls += 1
+            if item.report:
+                reports[item.request_id] = hidden[-1]
+        runner.expert_counts = total
+        return reports
 
     def run(self, items: list, plan: list[list] | None = None, mtp: bool = False) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,

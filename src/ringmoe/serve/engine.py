@@ -43,7 +43,7 @@ from .kv_cache import BlockManager
 from .kv_scales import kv_cache_is_fp8
 from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
-from .decode_graph import LOGITS, HeadOutput
+from .decode_graph import LOGITS, PREFILL_ROWS, HeadOutput
 from .runner import ModelRunner, WorkItem
 from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
@@ -114,6 +114,10 @@ class Engine:
     compiled here, before the first request: ``compile_seconds``).  The graph serves models with dropless
     experts (every family, MLA included; one process or a cp x ep mesh) outside the deterministic mode; other steps
     and models run eagerly.
+    prefill_graph: prompt chunks run as graphs of the decode graph too (``DecodeGraph.prefill``: up to
+    ``PREFILL_ROWS`` rows a call, compiled at start-up with the decode steps; one process on a CPU, not with MTP
+    drafting: a GPU's graphs would record a CUDA graph per chunk length); False: they run eagerly.  Needs
+    ``decode_graph`` "static" or "compiled".
 
     Parallel samples (``params.n > 1``): the prompt is computed once; when its first token is drawn the
     request forks into n (ids ``rid``, ``rid#1`` ... ``rid#{n-1}``, sharing the prompt's KV blocks with copy
@@ -129,13 +133,18 @@ class Engine:
                  prefix_caching: bool = True, seed: int = 0, backend: str = "auto", record_steps: bool = False,
                  deterministic: bool = False, kv_cache_bytes: int | None = None, return_logits: bool = False,
                  decode_graph: str = "off", speculative_config=None, kv_cache_dtype: str = "auto",
-                 prepack_weights: bool = True):
+                 prepack_weights: bool = True, prefill_graph: bool = False):
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model must be a MoETransformer, got {type(model).__name__}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(prepack_weights, bool):
             raise TypeError(f"prepack_weights must be a bool, got {prepack_weights!r}")
+        if not isinstance(prefill_graph, bool):
+            raise TypeError(f"prefill_graph must be a bool, got {prefill_graph!r}")
+        if prefill_graph and decode_graph == "off":
+            raise ValueError("prefill_graph=True runs prompt chunks in the decode graph: needs decode_graph 'static' "
+                             "or 'compiled', got 'off'")
         if kv_cache_bytes is not None:
             kv_cache_tokens = _tokens_in(kv_cache_bytes, model, kv_cache_is_fp8(kv_cache_dtype), block_size)
         if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
@@ -159,6 +168,8 @@ class Engine:
         if self.runner.decode_graph is not None:
             self.runner.decode_graph.band = per_request
             self.runner.decode_graph.mtp = self.mtp is not None  # the module's passes through graphs too
+            if prefill_graph and self.mesh.size == 1 and self.mtp is None and self.runner.device.type == "cpu":
+                self.runner.decode_graph.prefill_rows = min(PREFILL_ROWS, max_num_batched_tokens)
         if decode_graph == "compiled" and self.runner.decode_graph is not None and not deterministic:
             self.compile_seconds = self.runner.decode_graph.warm_up(max_num_seqs * per_request)
             log.info("decode step compiled in %.1f s", self.compile_seconds)

@@ -195,7 +195,7 @@ def build_engine(options: ServeOptions, mesh):
         max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
         deterministic=options.deterministic, decode_graph="off" if options.enforce_eager else "compiled",
-        prepack_weights=options.prepack_weights,
+        prepack_weights=options.prepack_weights, prefill_graph=not options.enforce_eager,
         speculative_config=options.speculative_config,
     )
 

@@ -261,23 +261,36 @@ class ModelRunner:
             return graph.run(items, plan)
         if graph is not None and plan is None and self.mesh.size == 1 and not graph.mtp:
             # a step admitting a prompt beside running requests: their decode rows (and drafts) through the graph,
-            # the rest eagerly (at 16 clients such a step took ~70 ms all eager, a graph step of 16-64 rows 4-8 ms)
+            # the prompt chunks through its prompt graphs where it runs them (``DecodeGraph.prefill``), the rest
+            # eagerly (at 16 clients such a step took ~70 ms all eager, a graph step of 16-64 rows 4-8 ms)
             graphed = [DecodeGraph.accepts(self, [item]) for item in items]
-            if any(graphed) and not all(graphed):
+            prompts = [not g and DecodeGraph.takes_prompt(self, item) for item, g in zip(items, graphed)]
+            if (any(graphed) or any(prompts)) and not all(graphed):
                 return self._split_step([item for item, g in zip(items, graphed) if g],
-                                        [item for item, g in zip(items, graphed) if not g])
+                                        [item for item, p in zip(items, prompts) if p],
+                                        [item for item, g, p in zip(items, graphed, prompts) if not (g or p)])
         return self._eager_step(items)
 
-    def _split_step(self, decoding: list[WorkItem], rest: list[WorkItem]) -> dict:
-        """One process: ``decoding`` (items the decode graph accepts) as a graph step, then ``rest`` eagerly; the
-        reports of both (the graph's ``LOGITS`` cover its own items only) and the MoE counts of both."""
-        reports = self.decode_graph.run(decoding)
-        counts = self.expert_counts
-        self.split_steps += 1
-        reports |= self._eager_step(rest)
-        eager = [stats.tokens_per_expert for stats in self.model.moe_stats() if stats is not None]
-        if counts is not None and len(eager) == counts.shape[0]:
-            self.expert_counts = counts + torch.stack(eager).to(counts)
+    def _split_step(self, decoding: list[WorkItem], prompts: list[WorkItem], rest: list[WorkItem]) -> dict:
+        """One process: ``decoding`` (items the decode graph accepts) as a graph step, then ``prompts`` (chunks its
+        prompt graphs take) through those, then ``rest`` eagerly; the reports of all (the decode graph's ``LOGITS``
+        cover its own items only) and the MoE counts of all."""
+        graph, reports, counts = self.decode_graph, {}, []
+        if decoding:
+            reports |= graph.run(decoding)
+            counts.append(self.expert_counts)
+        if prompts:
+            reports |= graph.prefill(prompts)
+            counts.append(self.expert_counts)
+        if rest:
+            reports |= self._eager_step(rest)
+            eager = [stats.tokens_per_expert for stats in self.model.moe_stats() if stats is not None]
+            counts.append(torch.stack(eager) if eager else None)
+        self.split_steps += sum(map(bool, (decoding, prompts, rest))) > 1
+        if counts and all(c is not None and c.shape == counts[0].shape for c in counts):
+            self.expert_counts = sum(c.to(counts[0]) for c in counts[1:]) + counts[0]
+        else:
+            self.expert_counts = None
         return reports
 
     def _eager_step(self, items: list[WorkItem]) -> dict:
