@@ -224,9 +224,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if new is not None and fresh is None and not causal:
         fresh = torch.ones(n, 1, dtype=torch.bool, device=q.device)
     partial = cached is not None  # a cp rank's part: a row may see no key at all here
-    rows = torch.arange(n, device=q.device)
     if cached is None:  # keys to read from the cache (causal: row r's new keys are its r + 1 last ones)
-        cached = contexts - (0 if new is None else rows + 1 if causal else fresh.sum(1))
+        cached = contexts - (0 if new is None else torch.arange(1, n + 1, device=q.device) if causal
+                             else fresh.sum(1))
     if first is None:  # the first cached key inside the row's window
         first = (contexts - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(contexts)
     cached = cached[:, None]
@@ -250,7 +250,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         lse = merged
     elif new is not None:
         band = fresh.shape[1]
-        source = (rows[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
+        source = (torch.arange(n, device=q.device)[:, None] - torch.arange(band, device=q.device)).clamp(min=0)
         seen = fresh  # row s's new key sits at contexts[s] - 1, inside row r's window when >= contexts[r] - 1 - left
         if window_left >= 0:
             seen = seen & (contexts[source] >= contexts[:, None] - window_left)

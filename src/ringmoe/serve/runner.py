@@ -122,7 +122,8 @@ class ModelRunner:
         # a decode graph's step: its real rows' assignments per MoE layer and expert (moe layers, E) int64, read once
         # by the engine (the layers' ``last_stats`` are made from them only when read); None after any other step
         self.expert_counts: torch.Tensor | None = None
-        self.split_steps = 0  # steps that ran their decode rows in the graph and the rest eagerly (``step``)
+        # steps run in parts: decode rows in the decode graph, prompt chunks in its prompt graph, the rest eagerly
+        self.split_steps = 0  # (``step``: two parts or more)
         self.decode_graph = None  # a model that cannot run the fixed-shape step (capacity, replicas) never has one
         if decode_graph != "off" and model.static_ready:
             self.decode_graph = DecodeGraph(self, decode_graph == "compiled")
