@@ -8,16 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringmoe.model import MoETransformer, preset
 from ringmoe.serve import Engine, SamplingParams
 
-FAMILIES = ["tiny", "gpt-oss-tiny", "qwen2-moe-tiny", "olmoe-tiny", "qwen3-moe-dense-tiny", "deepseek-v3-tiny"]
-
-
-def _model(name: str, dtype=torch.float64, seed: int = 0) -> MoETransformer:
-    model = MoETransformer(preset(name))
-    model.init_weights(seed, std=0.2)  # large enough that the logits disagree wherever the computation does
-    return model.to(dtype)
+from .test_decode_graph import FAMILIES, _assert_same, _model
 
 
 def _prompts(seed: int, vocab: int = 128) -> list[list[int]]:
@@ -58,12 +51,6 @@ def _run(model, mode: str, prompts, prefill_rows: int | None = None, new: int = 
     engine.blocks.check_integrity()
     order = sorted(finals, key=lambda rid: int(rid.split("-")[-1]))
     return [finals[r].output_ids for r in order], [torch.stack(logits[r]) for r in order], engine
-
-
-def _assert_same(eager, graph, atol):
-    assert graph[0] == eager[0]  # greedy tokens
-    for a, b in zip(eager[1], graph[1]):
-        torch.testing.assert_close(b, a, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

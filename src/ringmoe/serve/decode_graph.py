@@ -568,24 +568,44 @@ class DecodeGraph:
                 positions = list(range(start, end))
                 meta = torch.tensor([tokens[start - item.start:end - item.start], positions,
                                      [p + 1 for p in positions], [1] * len(positions),
-                                     [table[p // block_size] * block_size + p % block_size for p in positions]],
-                                    dtype=torch.long, device=self.device)
+                                     runner.slots(table, range(start, end))], dtype=torch.long, device=self.device)
                 torch._dynamo.mark_static(meta, 0)
+                self._refresh(end - start)
                 tables = torch.tensor([blocks + [scratch] * (width - len(blocks))], dtype=torch.long,
                                       device=self.device).clamp_(min=0).expand(len(positions), width).contiguous()
                 hidden, _, _, _, counts, new_kv, _, _ = self.call(
                     runner.model, meta, tables, None, runner.kv_buffer, runner.kv_scales, self.rope_freqs, None, False,
                     None, False)
-                self._slots[:self.layers].index_copy_(2, meta[SLOTS], new_kv)
+                self._store(self._slots[:self.layers], meta, new_kv, self.moe_blocks, counts)
                 if counts is not None:
-                    for block, count in zip(self.moe_blocks, counts.unbind()):
-                        block.record(count)
                     total = counts if total is None else total + counts
                 self.prefill_calls += 1
             if item.report:
                 reports[item.request_id] = hidden[-1]
         runner.expert_counts = total
         return reports
+
+    def _refresh(self, rows: int) -> None:
+        """Before a graph call of ``rows`` rows: what the graph reads outside its inputs made current (the
+        projections' panel copies, the C experts' bindings where the call runs the experts' operator)."""
+        if self.panels is not None:
+            self.panels.refresh()  # weights changed since they were packed: packed again
+        release_freed_c_experts()  # (the C experts' references to layers freed since, released here, not in tracing)
+        if self.operator_rows is not None and rows >= self.operator_rows:
+            for block in self.moe_blocks + self.mtp_blocks:  # weights changed since they were bound: bound anew
+                if not block.c_binding_current():  # (or unbound: stale)
+                    block.bind_c_experts()
+
+    @staticmethod
+    def _store(written: torch.Tensor, meta: torch.Tensor, new_kv: torch.Tensor, blocks: list,
+               counts: torch.Tensor | None) -> None:
+        """After a graph call: every layer's K and V at the rows' slots in one write (new_kv (layers, 2 or 1, B, kv
+        heads, D) into ``written``, the buffer's layers the call computed, (layers, 2, blocks * block_size, kv heads,
+        D)), and each MoE block's counts over the real rows (moe layers, experts) recorded in ``blocks``."""
+        written.index_copy_(2, meta[SLOTS], new_kv)
+        if counts is not None:
+            for block, count in zip(blocks, counts.unbind()):
+                block.record(count)
 
     def run(self, items: list, plan: list[list] | None = None, mtp: bool = False) -> dict:
         """{request_id: hidden (hidden_size,)} of the reported items, and {("all", request_id): hidden (1 + k,
@@ -646,25 +666,14 @@ class DecodeGraph:
             self._tables = (tables, torch.tensor(tables, dtype=torch.long, device=self.device).clamp_(min=0))
         tables = self._tables[1]
         torch._dynamo.mark_static(meta, 0)  # its five rows: a constant (a symbolic size costs a conversion a call)
-        if self.panels is not None:
-            self.panels.refresh()  # weights changed since they were packed: packed again
-        release_freed_c_experts()  # (the C experts' references to layers freed since, released here, not in tracing)
-        if self.operator_rows is not None and rows >= self.operator_rows:
-            for block in self.moe_blocks + self.mtp_blocks:  # weights changed since they were bound: bound anew
-                if not block.c_binding_current():  # (or unbound: stale)
-                    block.bind_c_experts()
+        self._refresh(rows)
         draft = self.mtp_in_steps and not mtp
         hidden, logits, tokens, logprobs, counts, new_kv, states, drafts = self.call(
             runner.model, meta, tables, fresh, runner.kv_buffer, runner.kv_scales, self.rope_freqs, self.merge_group,
             self.head, self._previous(items, rows) if mtp else None, draft, mtp=mtp)
-        # every layer's K and V at the rows' slots in one write: new_kv (layers, 2 or 1, B, kv heads, D) into the
-        # runner's buffer (layers, 2, blocks * block_size, kv heads, D)
         written = self._slots[self.layers:self.layers + 1] if mtp else self._slots[:self.layers + draft]
-        written.index_copy_(2, meta[SLOTS], new_kv)
-        if counts is not None:
-            blocks = self.mtp_blocks if mtp else self.moe_blocks + (self.mtp_blocks if draft else [])
-            for block, count in zip(blocks, counts.unbind()):
-                block.record(count)
+        blocks = self.mtp_blocks if mtp else self.moe_blocks + (self.mtp_blocks if draft else [])
+        self._store(written, meta, new_kv, blocks, counts)
         if mtp:
             self.mtp_passes += 1
         else:
