@@ -27,9 +27,16 @@ too: over each step's rows inside the step's own graph (its catch-up), its chain
 Also the training's teacher-forced figure: how often the module's first draft equals the model's next greedy token
 on held-out text.
 
-Writes benchmarks/results/spec.json (one run of one part keeps the other part's figures) and spec.png.
+``--processes P`` (n-gram, one client): the compiled engines with and without drafts measured again in P - 1 fresh
+processes, each building its own engines.  Their speed is a draw per process and per engine: three identical plain
+engines built in one process differed by up to 20%, and the one-client ratio of seven processes in one hour ranged
+over 1.13x-1.62x.  The summary gives every process's ratio and their median (``compiled_ratio_per_process``,
+``compiled_ratio_median``).
 
-    python benchmarks/bench_spec.py [--only ngram|mtp] [--concurrency 1,4,16] [--k 4] [--new 64]
+Writes benchmarks/results/spec.json (one run of one part keeps the other part's figures, a run of some
+concurrencies keeps the others' rows) and spec.png.
+
+    python benchmarks/bench_spec.py [--only ngram|mtp] [--concurrency 1,4,16] [--k 4] [--new 64] [--processes 1]
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -188,13 +198,24 @@ def main():
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a fresh process's one-client figures
     args = parser.parse_args()
     torch.set_num_threads(2)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.child is not None:
+        Path(args.child).write_text(json.dumps(compiled_pair(args.k, args.new)))
+        return
     previous = Path(__file__).resolve().parent / "results" / "spec.json"
     kept = json.loads(previous.read_text()) if previous.is_file() else {}
-    ngram = ngram_part(levels, args.k, args.new) if args.only != "mtp" else {
-        key: kept.get(key) for key in ("config", "rows", "summary")}
+    if args.only != "mtp":
+        ngram = keep_other_levels(ngram_part(levels, args.k, args.new), kept, levels)
+        if args.processes > 1 and 1 in levels:
+            more = [fresh_process(args.k, args.new) for _ in range(args.processes - 1)]
+            ngram["summary"]["1"].update(across_processes(ngram["rows"], more))
+            print("one client across processes", ngram["summary"]["1"], flush=True)
+    else:
+        ngram = {key: kept.get(key) for key in ("config", "rows", "summary")}
     mtp = mtp_part(levels, args.new) if args.only != "ngram" else kept.get("mtp")
     write_results("spec", {**ngram, "mtp": mtp}, plot, (ngram["rows"] or [], (mtp or {}).get("rows", [])))
 
@@ -233,7 +254,7 @@ def ngram_part(levels: list[int], k: int, new: int) -> dict:
 
     tokenizer = Tokenizer(path)
     rows = []
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = spec_config(k)
     configs = {"plain": None, "fixed": spec, "goodput": {**spec, "draft_length": "goodput"}}
     for concurrency in levels:
         prompt_ids = prompts(tokenizer, requests(concurrency))
@@ -268,6 +289,53 @@ def ngram_part(levels: list[int], k: int, new: int) -> dict:
         print(concurrency, summary[str(concurrency)])
     return {"config": {"k": k, "new_tokens": new, "prompt_tokens": PROMPT_TOKENS, "speculative_config": spec,
                        "model": "trained demo model", "dtype": "float32"}, "rows": rows, "summary": summary}
+
+
+def spec_config(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def compiled_pair(k: int, new: int) -> dict:
+    """One client, the compiled engines without and with every draft (as ``ngram_part``): {"plain" | "fixed":
+    tokens/s}, and whether their tokens agree."""
+    from ringmoe.text import Tokenizer
+
+    path = trained_demo_checkpoint()
+    prompt_ids = prompts(Tokenizer(path), requests(1))
+    measured = run(path, prompt_ids, 1, new, {"plain": (None, True), "fixed": (spec_config(k), True)})
+    return {**{key: row["tokens_per_s"] for key, (row, _) in measured.items()},
+            "same_tokens": measured["plain"][1] == measured["fixed"][1]}
+
+
+def fresh_process(k: int, new: int) -> dict:
+    """``compiled_pair`` in a new Python process (its own engines, compiled graphs and memory)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "pair.json"
+        subprocess.run([sys.executable, __file__, "--child", str(out), "--k", str(k), "--new", str(new)],
+                       check=True, timeout=1800)
+        return json.loads(out.read_text())
+
+
+def across_processes(rows: list[dict], more: list[dict]) -> dict:
+    """The one-client compiled figures of this process (``rows``) and of ``more`` fresh ones: every process's
+    ratio with every draft verified vs without drafts, and the medians."""
+    pick = {r["draft_length"] or "plain": r["tokens_per_s"] for r in rows if r["concurrency"] == 1 and r["compiled"]}
+    pairs = [{"plain": pick["plain"], "fixed": pick["fixed"], "same_tokens": True}, *more]
+    if not all(pair["same_tokens"] for pair in pairs):
+        raise RuntimeError("a fresh process's tokens with drafts differ from its tokens without")
+    ratios = [pair["fixed"] / pair["plain"] for pair in pairs]
+    return {"compiled_ratio_per_process": ratios, "compiled_ratio_median": statistics.median(ratios),
+            "compiled_plain_tokens_per_s_per_process": [pair["plain"] for pair in pairs],
+            "compiled_fixed_tokens_per_s_per_process": [pair["fixed"] for pair in pairs]}
+
+
+def keep_other_levels(ngram: dict, kept: dict, levels: list[int]) -> dict:
+    """``ngram`` with the previous file's rows and summaries of the concurrencies this run did not measure."""
+    rows = [r for r in kept.get("rows") or () if r["concurrency"] not in levels]
+    summary = {c: v for c, v in (kept.get("summary") or {}).items() if int(c) not in levels}
+    ngram["rows"] = sorted(rows + ngram["rows"], key=lambda r: r["concurrency"])
+    ngram["summary"] = dict(sorted({**summary, **ngram["summary"]}.items(), key=lambda item: int(item[0])))
+    return ngram
 
 
 if __name__ == "__main__":
