@@ -292,6 +292,7 @@ def ngram_part(levels: list[int], k: int, new: int) -> dict:
 
 
 def spec_config(k: int) -> dict:
+    """The n-gram drafter's configuration of every run: k drafts, lookups of 2 to 4 tokens."""
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -319,8 +320,10 @@ def fresh_process(k: int, new: int) -> dict:
 def across_processes(rows: list[dict], more: list[dict]) -> dict:
     """The one-client compiled figures of this process (``rows``) and of ``more`` fresh ones: every process's
     ratio with every draft verified vs without drafts, and the medians."""
-    pick = {r["draft_length"] or "plain": r["tokens_per_s"] for r in rows if r["concurrency"] == 1 and r["compiled"]}
-    pairs = [{"plain": pick["plain"], "fixed": pick["fixed"], "same_tokens": True}, *more]
+    here = [r for r in rows if r["concurrency"] == 1 and r["compiled"]]
+    pick = {r["draft_length"] or "plain": r["tokens_per_s"] for r in here}
+    pairs = [{"plain": pick["plain"], "fixed": pick["fixed"],
+              "same_tokens": all(r["same_tokens_as_plain"] for r in here)}, *more]
     if not all(pair["same_tokens"] for pair in pairs):
         raise RuntimeError("a fresh process's tokens with drafts differ from its tokens without")
     ratios = [pair["fixed"] / pair["plain"] for pair in pairs]
