@@ -246,6 +246,7 @@ def _add_serve(sub) -> None:
 _LIMIT_HELP = {
     "max_body_bytes": "request body size (413 past it)", "max_messages": "chat messages per request",
     "max_stop_strings": "stop strings per request", "max_stop_chars": "characters per stop string",
+    "max_stop_token_ids": "stop_token_ids entries per request",
     "header_timeout_s": "seconds a connection has to send its request headers (slowloris)",
     "body_timeout_s": "seconds a request has to send its body (408 past it)",
     "keep_alive_s": "seconds an idle keep-alive connection stays open",

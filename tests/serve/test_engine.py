@@ -197,6 +197,13 @@ def test_stop_token_ids_past_the_vocabulary_are_refused_at_admission(checkpoint)
     with pytest.raises(ValueError, match="stop_token_ids"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=(VOCAB + 3,), min_tokens=1))
     assert engine.requests == {} and not engine.has_unfinished
+    # min_tokens bans the stop ids: covering the whole vocabulary they would leave nothing to choose (greedy would
+    # take token 0, a banned one; a draw would fail on a NaN distribution)
+    with pytest.raises(ValueError, match="stop_token_ids.*min_tokens"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=tuple(range(VOCAB)), min_tokens=2, temperature=0))
+    assert engine.requests == {}
+    out = engine.generate([[1, 2]], SamplingParams(stop_token_ids=tuple(range(VOCAB)), max_tokens=3, temperature=0))
+    assert out[0].finish_reason == "stop" and len(out[0].output_ids) == 1  # without min_tokens nothing is banned
 
 
 def test_prepacked_weights_give_the_plain_engines_tokens_and_logits(checkpoint):

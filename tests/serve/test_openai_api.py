@@ -151,6 +151,34 @@ def test_json_schema_and_json_object(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
 
 
+def test_a_request_that_fails_while_generating_answers_with_the_reason(server, served_checkpoint):
+    """The grammar allows only "x", which min_tokens bans (a stop token id): no token can be chosen at the first step.
+    The request is answered 400 with the engine's reason (no 200 whose finish_reason OpenAI's clients do not know);
+    streamed, an error event then [DONE]; n = 2 fails whole; the server goes on."""
+    x = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "x", "add_special_tokens": False})
+    body = {"model": MODEL, "prompt": "say x", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": x.json()["tokens"],
+            "structured_outputs": {"choice": ["x"]}}
+    for extra in ({}, {"n": 2, "seed": 1}):
+        reply = httpx.post(f"{server.url}/v1/completions", json={**body, **extra}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and "no token is allowed" in error["message"], error
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert reply.status_code == 200 and lines[-1] == "data: [DONE]", lines
+    last = json.loads(lines[-2][len("data: "):])
+    assert last["error"]["type"] == "invalid_request_error" and "no token is allowed" in last["error"]["message"]
+    assert all('"finish_reason":"error"' not in line.replace(" ", "") for line in lines)
+    fine = httpx.post(f"{server.url}/v1/completions", json={**body, "min_tokens": 0, "stop_token_ids": None},
+                      timeout=60)
+    assert fine.status_code == 200 and fine.json()["choices"][0]["text"] == "x", fine.text
+    vocab = json.loads((served_checkpoint / "config.json").read_text())["vocab_size"]
+    every = httpx.post(f"{server.url}/v1/completions", json={**body, "stop_token_ids": list(range(vocab)),
+                                                            "structured_outputs": None}, timeout=60)
+    # (refused before any step: min_tokens bans every token)
+    assert every.status_code == 400 and every.json()["error"]["param"] == "stop_token_ids", every.text
+
+
 # -- tools ---------------------------------------------------------------------------------------------------
 def _call(server, tool_choice, parallel=True, **extra):
     return server.client.chat.completions.create(

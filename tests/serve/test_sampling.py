@@ -65,6 +65,10 @@ def test_draws_follow_the_exact_truncated_distribution(params):
     assert chi2 < 3 * (len(support) - 1) + 12, (chi2, counts.tolist(), exact)
 
 
+def test_stop_token_ids_are_kept_once_each_in_order():
+    assert SamplingParams(stop_token_ids=[7, 3, 7, 3, 9] * 1000).stop_token_ids == (7, 3, 9)
+
+
 def test_a_seed_reproduces_and_greedy_takes_the_argmax():
     params = SamplingParams(temperature=1.0, seed=5)
     draw = lambda: [next_token(LOGITS, params, [], [], torch.Generator().manual_seed(5)).token for _ in range(1)]
@@ -127,6 +131,23 @@ def test_non_finite_logits_raise_their_own_error_and_minus_inf_is_a_legal_logit(
     logits = LOGITS.clone()
     logits[0] = float("-inf")
     assert next_token(logits, SamplingParams(temperature=0), [], [], None).token == 1
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+@pytest.mark.parametrize("masked", [False, True])
+def test_when_bans_and_a_grammar_leave_no_token_the_request_fails_by_its_own_error(temperature, masked):
+    from ringmoe.serve.sampling import NoAllowedToken
+
+    params = SamplingParams(temperature=temperature, seed=3)
+    mask = torch.full_like(LOGITS, float("-inf"))
+    mask[[2, 5]] = 0.0  # the grammar allows 2 and 5
+    banned = [2, 5] if masked else list(range(len(LOGITS)))
+    with pytest.raises(NoAllowedToken, match="no token is allowed"):
+        next_token(LOGITS, params, [], [], torch.Generator().manual_seed(0), banned, mask if masked else None)
+    # a token left: the grammar's one left is chosen, greedy or drawn; without a grammar never the banned one
+    for seed in range(5):
+        kept = next_token(LOGITS, params, [], [], torch.Generator().manual_seed(seed), [2], mask if masked else None)
+        assert kept.token == 5 if masked else kept.token != 2
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

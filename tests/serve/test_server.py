@@ -88,6 +88,7 @@ def test_stop_seed_and_logprobs(server):
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [1] * 5000}, 400, "stop_token_ids"),
     ({"model": MODEL}, 400, "prompt"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
 ])

@@ -45,7 +45,7 @@ from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
 from .decode_graph import LOGITS, PREFILL_ROWS, HeadOutput
 from .runner import ModelRunner, WorkItem
-from .sampling import SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
+from .sampling import NoAllowedToken, SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
 from .scheduler import Scheduler
 from .mtp_drafter import MTPDrafter
 from .draft_budget import GoodputBudget
@@ -245,6 +245,10 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {bad[:5]}")
+        eos = () if params.ignore_eos else self.eos_ids
+        if params.min_tokens and len(set(params.stop_token_ids).union(eos)) >= vocab:
+            raise ValueError(f"stop_token_ids: with the end-of-sequence ids they are all {vocab} tokens, which "
+                             f"min_tokens ({params.min_tokens}) bans: no token could be chosen")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {bad[:5]}")
@@ -628,11 +632,15 @@ class Engine:
             return self._failed(request, error, emitted_before)
 
     def _failed(self, request: Request, error: Exception, emitted_before: int) -> RequestOutput:
-        """``request`` ends alone with finish_reason "error" (its text so far goes out)."""
+        """``request`` ends alone with finish_reason "error" (its text so far goes out), the error's kind in OpenAI's
+        terms: "invalid_request_error" where the request's own constraints left no token (``NoAllowedToken``), else
+        "server_error"."""
         log.error("request %s ends with an error: %s", request.request_id, error)
         if request.status != Status.FINISHED:
             self._finish(request, "error")
-        return self._output(request, [], request.text[emitted_before:request.emitted], "error", [], error=str(error))
+        kind = "invalid_request_error" if isinstance(error, NoAllowedToken) else "server_error"
+        return self._output(request, [], request.text[emitted_before:request.emitted], "error", [], error=str(error),
+                            error_type=kind)
 
     def _output(self, request: Request, new_ids: list[int], delta: str, reason: str | None, logprobs: list,
                 **extra) -> RequestOutput:

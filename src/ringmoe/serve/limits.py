@@ -16,7 +16,8 @@ __all__ = ["ServerLimits"]
 class ServerLimits:
     """max_body_bytes: request body (413 past it, checked from Content-Length and while reading);
     max_messages: chat messages per request; max_stop_strings / max_stop_chars: stop strings and the
-    length of each; header_timeout_s: a connection must send its request headers within this (slowloris);
+    length of each; max_stop_token_ids: stop_token_ids entries (each sampled token is looked up among them);
+    header_timeout_s: a connection must send its request headers within this (slowloris);
     body_timeout_s: and its whole body within this; keep_alive_s: idle keep-alive connections close;
     limit_concurrency: connections + in-flight requests before uvicorn answers 503;
     template_timeout_s / template_workers: chat-template rendering processes and their time limit;
@@ -31,6 +32,7 @@ class ServerLimits:
     max_messages: int = 1024
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_stop_token_ids: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     keep_alive_s: float = 5.0

@@ -40,6 +40,7 @@ class RequestOutput:
     timings: dict = field(default_factory=dict)
     logits: torch.Tensor | None = None  # (vocab,) float32 the token came from (Engine(return_logits=True))
     error: str | None = None  # finish_reason "error": what went wrong (this request alone)
+    error_type: str | None = None  # and whose fault: "invalid_request_error" (its constraints) or "server_error"
     group_id: str = ""  # the id the caller gave: parallel samples (n > 1) of one prompt share it
     index: int = 0  # which of the n samples
     prompt_logprobs: list[TokenChoice | None] | None = None  # on a request's first output, when asked for

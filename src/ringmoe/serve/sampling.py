@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 __all__ = ["SamplingParams", "next_token", "plain_batch", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits",
-           "prompt_choices"]
+           "NoAllowedToken", "prompt_choices"]
 
 MAX_LOGPROBS = 20
 # below this temperature sampling is greedy (vLLM's rule): dividing logits by 1e-300 overflows to inf
@@ -30,6 +30,11 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on each logit_bias value
 
 class NonFiniteLogits(ValueError):
     """The model produced NaN or +inf logits for a request: that request ends with an error, no other."""
+
+
+class NoAllowedToken(ValueError):
+    """The request's own constraints (its grammar, the tokens ``min_tokens`` bans) leave no token to choose: that
+    request ends with an error (its fault: over HTTP a 400), no other."""
 
 
 def _number(name, value, low=None, high=None, low_open=False):
@@ -104,6 +109,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for token in self.stop_token_ids:
             _int("stop_token_ids", token, 0)
+        # each once (every sampled token is looked up among them; in order, so a request's ids read as given)
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         _int("max_tokens", self.max_tokens, 0)
         _int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
@@ -202,8 +209,12 @@ def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
         adjusted[torch.tensor(list(banned), dtype=torch.long)] = float("-inf")
     if mask is not None:
         adjusted += mask
-        if bool(torch.isneginf(adjusted).all()):
-            raise ValueError("no token is allowed here (the grammar and the banned tokens exclude them all)")
+    if (banned or mask is not None) and bool(torch.isneginf(adjusted).all()):
+        # (argmax would pick token 0, a banned one, and a draw would fail on a NaN distribution)
+        raise NoAllowedToken("no token is allowed here: " + ("the grammar and the tokens min_tokens bans (stop "
+                             "token ids, end of sequence) exclude them all" if mask is not None and banned else
+                             "the grammar excludes them all" if mask is not None else "min_tokens bans every token "
+                             "(stop token ids, end of sequence)"))
     if params.greedy:
         token = int(torch.argmax(adjusted))
     else:

@@ -5,7 +5,12 @@ the app; ``serve_app`` runs it with uvicorn on 127.0.0.1 by default.  A request 
 OpenAI's error shape when it is wrong: 400 naming the field, 401 without the API key, 404 for an
 unknown model, 408 / 413 for a body too slow or too large, 429 when ``max_waiting`` requests already
 wait, 503 when the engine has failed or the server is stopping.  Streams are server-sent events
-(``data: {chunk}`` ... ``data: [DONE]``).
+(``data: {chunk}`` ... ``data: [DONE]``).  A request one of whose choices fails while it generates (the
+engine ends that request alone: NaN logits, or a grammar that together with the tokens ``min_tokens`` bans
+leaves no token) is answered with the engine's reason in the error shape, as vLLM does: 500, or 400 where
+the request's own constraints caused it; a stream ends with an error event and ``[DONE]``; its other
+choices are aborted.  (``finish_reason`` stays one of OpenAI's values: "error" is no finish reason its clients
+know, and some refuse it.)
 
 The event loop never runs a long job: bodies above 64 KiB are parsed in a thread, chat templates render
 in worker processes with a time limit (``templates``), prompts are tokenized in threads (the tokenizer
@@ -185,8 +190,14 @@ class _Frontend:
         if len(stops) > limits.max_stop_strings or any(len(s) > limits.max_stop_chars for s in stops):
             raise RequestError(f"stop takes at most {limits.max_stop_strings} strings of at most "
                                f"{limits.max_stop_chars} characters", "stop")
+        if len(body.stop_token_ids or ()) > limits.max_stop_token_ids:
+            raise RequestError(f"stop_token_ids takes at most {limits.max_stop_token_ids} ids", "stop_token_ids")
         if any(not 0 <= t < self.vocab for t in body.stop_token_ids or ()):
             raise RequestError(f"stop_token_ids must lie in [0, {self.vocab})", "stop_token_ids")
+        eos = () if body.ignore_eos else self.engine.info.eos_ids
+        if body.min_tokens and len(set(body.stop_token_ids or ()).union(eos)) >= self.vocab:
+            raise RequestError(f"stop_token_ids: with the end-of-sequence ids they are all {self.vocab} tokens, which "
+                               f"min_tokens bans: no token could be chosen", "stop_token_ids")
         bias = body.logit_bias or {}
         if len(bias) > limits.max_logit_bias:
             raise RequestError(f"logit_bias takes at most {limits.max_logit_bias} entries", "logit_bias")
@@ -285,6 +296,9 @@ class _Frontend:
                 if item is _CLOSING:
                     return _error(503, _SHUTDOWN_MESSAGE, kind="server_error")
                 prompt, out = item
+                if out.finish_reason == "error":  # one choice failed: the request answers with its error
+                    stream.abort()
+                    return JSONResponse(_failure(out), status_code=_failure_status(out))
                 index = builder.add(prompt, out)
                 if out.finished:
                     finals[index] = out
@@ -312,6 +326,9 @@ class _Frontend:
                     yield _sse(error_body(_SHUTDOWN_MESSAGE, "server_error", None, "503"))
                     break
                 prompt, out = item
+                if out.finish_reason == "error":  # one choice failed: an error event, then [DONE] (the rest aborted)
+                    yield _sse(_failure(out))
+                    break
                 for chunk in builder.chunks(prompt, out):
                     yield _sse(chunk)
                 finished += out.finished
@@ -373,6 +390,18 @@ class _Outputs:
                          item.group_id, item.index, item.finish_reason, self.prompt_tokens[item.group_id],
                          len(item.output_ids), t.get("ttft_s", 0.0), t.get("e2e_s", 0.0))
         return self.prompt_of[item.group_id], item
+
+
+def _failure(out: RequestOutput) -> dict:
+    """The error body of a choice that ended with finish_reason "error" (as vLLM answers a request whose generation
+    failed, with the engine's reason, not a finish_reason OpenAI's clients do not know)."""
+    kind = out.error_type or "server_error"
+    return error_body(out.error or "generation failed", kind, None, str(_failure_status(out)))
+
+
+def _failure_status(out: RequestOutput) -> int:
+    """400 where the request's own constraints left no token to choose, else 500."""
+    return 400 if out.error_type == "invalid_request_error" else 500
 
 
 def _grammar_field(body) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import NonFiniteLogits, SamplingParams, TokenChoice, truncated_probs
+from .sampling import NoAllowedToken, NonFiniteLogits, SamplingParams, TokenChoice, truncated_probs
 
 __all__ = ["SpeculativeConfig", "NgramDrafter", "SpeculationStats", "verify_drafts", "can_speculate", "draw",
            "check_finite"]
@@ -152,7 +152,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     if mask is not None:
         logits = logits + mask
         if bool(torch.isneginf(logits).all()):
-            raise ValueError("no token is allowed here (the grammar excludes them all)")
+            raise NoAllowedToken("no token is allowed here: the grammar excludes them all")
     if params.greedy:
         return int(torch.argmax(logits))
     return int(torch.multinomial(truncated_probs(logits, params), 1, generator=generator))

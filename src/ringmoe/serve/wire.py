@@ -77,15 +77,15 @@ def output_to_wire(out: RequestOutput) -> list:
     last = out.finished
     return [out.request_id, out.new_token_ids, out.text_delta, out.finished, out.finish_reason,
             [_choice(c) for c in out.logprobs], out.output_ids if last else [], out.text if last else "",
-            out.timings, out.error, out.group_id, out.index,
+            out.timings, out.error, out.error_type, out.group_id, out.index,
             None if out.prompt_logprobs is None else [_choice(c) for c in out.prompt_logprobs]]
 
 
 def output_from_wire(values: list) -> RequestOutput:
-    (request_id, new_ids, delta, finished, reason, logprobs, output_ids, text, timings, error, group_id, index,
-     prompt_logprobs) = values
+    (request_id, new_ids, delta, finished, reason, logprobs, output_ids, text, timings, error, error_type, group_id,
+     index, prompt_logprobs) = values
     return RequestOutput(request_id, new_ids, delta, finished, reason, [_unchoice(c) for c in logprobs], output_ids,
-                         text, timings, error=error, group_id=group_id, index=index,
+                         text, timings, error=error, error_type=error_type, group_id=group_id, index=index,
                          prompt_logprobs=None if prompt_logprobs is None else [_unchoice(c) for c in prompt_logprobs])
 
 
