@@ -280,6 +280,11 @@ def test_endpoints_and_openai_error_shapes(server):
     unknown = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [
         {"role": "user", "content": "x"}], "frobnicate": 1}).json()["error"]
     assert unknown["param"] == "frobnicate"
+    deep = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]})  # arguments nested too deeply to parse
+    assert deep.status_code == 400 and deep.json()["error"]["param"] == "messages.1.tool_calls", deep.text
     ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "naïve café 🚀"}).json()
     assert ids["count"] == len(ids["tokens"])
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "naïve café 🚀"

@@ -83,6 +83,7 @@ def test_stop_seed_and_logprobs(server):
 
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
+    (b"[" * 100000, 400, None),  # nested past what the JSON parser recurses into
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),

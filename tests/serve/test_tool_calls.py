@@ -72,6 +72,24 @@ def test_parsers_read_calls_and_leave_other_text_alone():
     assert harmony.parse(answer) == ("Sunny.", [])
 
 
+def test_a_call_nested_too_deeply_to_parse_is_no_call():
+    """A model looping on "[" inside a call: arguments too deep for the JSON parser (RecursionError, not a
+    ValueError) make no call, whole or streamed, in every syntax; the text stays content (harmony: a commentary
+    message is never content)."""
+    deep = "[" * 5000 + "]" * 5000
+    texts = {"hermes": f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>',
+             "deepseek_v3": f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{deep}\n```"
+                            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+             "harmony": f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{deep}<|call|>"}
+    for name, text in texts.items():
+        content, calls = FORMATS[name].parse(text)
+        assert calls == [] and (deep in content) == (name != "harmony"), name
+        parser = StreamParser(FORMATS[name])
+        sent = "".join(parser.feed(text[i:i + 997]) for i in range(0, len(text), 997))
+        rest, calls = parser.finish()
+        assert calls == [] and (deep in sent + rest) == (name != "harmony"), name
+
+
 @pytest.mark.parametrize("cut", [1, 3, 7])
 def test_stream_parser_holds_back_a_possible_marker(cut):
     text = 'Hello <tool world <tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'

@@ -112,6 +112,8 @@ def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(f"the body is not valid JSON: {error}") from None
+    except RecursionError:  # (the parser recurses per level: ~1,000 nested arrays or objects exhaust it)
+        raise RequestError("the body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise RequestError("the body must be a JSON object")
     try:

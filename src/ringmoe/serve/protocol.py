@@ -240,7 +240,7 @@ def chat_messages(request: "ChatCompletionRequest") -> list[dict]:
 def _template_call(call: MessageToolCall, index: int) -> dict:
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested too deeply to parse)
         raise RequestError(f"messages[{index}].tool_calls: arguments must be JSON text",
                            f"messages.{index}.tool_calls") from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}

@@ -94,7 +94,7 @@ def _json_calls(found: list[tuple[str, str]]) -> list[ToolCall]:
     for name, arguments in found:
         try:
             json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a model that loops on "[" nests too deeply to parse: no call)
             continue
         calls.append(ToolCall(name.strip(), arguments.strip()))
     return calls
@@ -115,7 +115,7 @@ class Hermes(ToolCallFormat):
             try:
                 call = json.loads(body)
                 name, arguments = call["name"], call.get("arguments", {})
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue  # not a call: it stays in the content
             if isinstance(name, str):
                 calls.append(ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
