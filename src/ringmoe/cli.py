@@ -258,6 +258,7 @@ _LIMIT_HELP = {
     "max_choices": "choices per request (prompts x n)", "max_tools": "tool definitions per request",
     "max_logit_bias": "logit_bias entries per request",
     "grammar_timeout_s": "seconds a structured-output grammar may take to compile (400 past it)",
+    "max_grammar_bytes": "bytes of a compiled structured-output grammar sent to the engine-core process (400 past it)",
     "log_stats_s": "seconds between throughput lines while requests run (0: none)",
 }
 

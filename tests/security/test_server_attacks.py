@@ -22,7 +22,7 @@ KEY = "sk-test-4f1d"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROBE = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0.8, "seed": 3}
 LIMITS = ["--max-body-bytes", "200000", "--header-timeout", "2", "--body-timeout", "2", "--max-messages", "8",
-          "--max-stop-strings", "4", "--graceful", "2"]
+          "--max-stop-strings", "4", "--graceful", "2", "--max-grammar-bytes", "1000000"]
 
 
 def _idle(url: str, within_s: float = 10.0) -> bool:
@@ -285,3 +285,35 @@ def test_sigterm_after_the_grace_period_ends_streams_with_an_error_event(served_
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2].removeprefix("data: "))
     assert last["error"]["type"] == "server_error" and "shutting down" in last["error"]["message"]
+
+
+def test_a_grammar_too_big_to_send_is_refused_and_nothing_waits_for_it(server):
+    """A schema of arrays nested 120 deep (3 KB) compiles to a grammar whose serialized form (~11 MB) would stall
+    the engine core while it loads: refused past --max-grammar-bytes, made in a worker thread meanwhile, so other
+    requests and /health go on; a plain schema is still served."""
+    schema = '{"type": "array", "items": ' * 120 + '{"type": "integer"}' + "}" * 120
+    body = ('{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "response_format": '
+            '{"type": "json_schema", "json_schema": {"name": "deep", "schema": %s}}}' % (MODEL, schema))
+    answers = {}
+
+    def deep():
+        answers["deep"] = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
+                                     headers={**AUTH, "content-type": "application/json"})
+
+    sender = threading.Thread(target=deep)
+    sender.start()
+    waits = []
+    while sender.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        waits.append(time.monotonic() - start)
+    sender.join()
+    refused = answers["deep"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format", refused.text
+    assert "--max-grammar-bytes" in refused.json()["error"]["message"]
+    assert max(waits) < 0.5, waits
+    plain = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array", "items": {
+                "type": "integer"}}}}})
+    assert plain.status_code == 200, plain.text

@@ -16,6 +16,7 @@ how many front ends will connect; once they have, the socket's path is removed f
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import signal
 from collections import defaultdict
@@ -50,6 +51,11 @@ class EngineCore:
         self.owner: dict[str, bytes] = {}  # request id -> the front end that sent it
         self.open_samples: dict[str, int] = {}
         self.grammars: GrammarBackend | None = None
+        if engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
+            # now, not at the first grammar: importing xgrammar (~1-2 s) would stall every request (a tokenizer it
+            # cannot serve is refused per request, as before)
+            with contextlib.suppress(ValueError, ImportError):
+                self._backend()
         self.stopping = False
 
     def stop_on_sigterm(self) -> None:
@@ -121,11 +127,14 @@ class EngineCore:
         self.owner[request_id], self.open_samples[request_id] = identity, params.n
 
     def _load_grammar(self, spec: GrammarSpec, compiled: str):
+        return self._backend().load(spec, compiled)
+
+    def _backend(self) -> GrammarBackend:
         if self.grammars is None:
             engine = self.engine
             self.grammars = GrammarBackend(engine.tokenizer, self.info.vocab_size, engine.eos_ids,
                                            any_whitespace=self.any_whitespace)
-        return self.grammars.load(spec, compiled)
+        return self.grammars
 
     def _unlink(self) -> None:
         """Every front end is connected: remove the socket's path (and its folder), so nothing else can connect

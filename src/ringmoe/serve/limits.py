@@ -25,7 +25,9 @@ class ServerLimits:
     graceful_s: on SIGTERM in-flight requests get this long, then streams end with an error event;
     max_log_len: characters of a prompt printed per request (with log_requests); max_choices: prompts x n
     of one request; max_tools: tool definitions; max_logit_bias: logit_bias entries; grammar_timeout_s: the
-    time a structured-output grammar may take to compile (400 past it); log_stats_s: seconds between the
+    time a structured-output grammar may take to compile (400 past it); max_grammar_bytes: a compiled grammar's
+    serialized size, where it travels to an engine-core process (400 past it: loading it back stalls that engine's
+    steps, ~1 s per 48 MB); log_stats_s: seconds between the
     throughput lines logged while requests run (0: none)."""
 
     max_body_bytes: int = 8 * 2**20
@@ -47,6 +49,7 @@ class ServerLimits:
     max_tools: int = 128
     max_logit_bias: int = 1024
     grammar_timeout_s: float = 10.0
+    max_grammar_bytes: int = 16 * 2**20
     log_stats_s: float = 10.0
 
     def __post_init__(self):

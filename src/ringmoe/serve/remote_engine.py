@@ -31,6 +31,8 @@ _POLL_MS = 200  # how often an idle reader looks whether the engine process is s
 
 
 class RemoteEngine:
+    sends_grammars = True  # a request's compiled grammar travels to the engine core serialized (``wire``)
+
     def __init__(self, address: str, max_waiting: int = 1024, engine_pid: int | None = None,
                  on_step: Callable | None = None,
                  on_failure: Callable[[BaseException], None] | None = None, status_timeout_s: float = 10.0):

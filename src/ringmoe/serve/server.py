@@ -91,10 +91,13 @@ class _Frontend:
         self.metrics, self.default_max_tokens, self.limits = metrics, default_max_tokens, limits
         self.templates: TemplateWorkers | None = None
         self.pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="ringmoe-tokenize")
+        # grammars compile (and serialize) in threads of their own: a slow one never holds up tokenizing
+        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="ringmoe-grammar")
         self.closing = asyncio.Event()  # set when the grace period after SIGTERM is over
         self.tool_format = FORMATS[tool_parser] if tool_parser else None
         self.any_whitespace = any_whitespace
         self.grammars: GrammarBackend | None = None
+        self._grammar_setup = asyncio.Lock()
         self.stats = ThroughputLog(limits.log_stats_s)
 
     async def start(self) -> None:
@@ -113,6 +116,7 @@ class _Frontend:
         if self.templates is not None:
             await self.templates.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -218,24 +222,38 @@ class _Frontend:
         spec = grammar_spec(body, self.tool_format)
         if spec is None:
             return None
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need the model's tokenizer", "response_format")
-            try:
-                self.grammars = GrammarBackend(self.tokenizer, self.vocab, self.engine.info.eos_ids,
-                                               any_whitespace=self.any_whitespace)
-            except ImportError:
-                raise RequestError("structured outputs need xgrammar (pip install xgrammar)", "response_format",
-                                   400) from None
         loop = asyncio.get_running_loop()
+        async with self._grammar_setup:  # the first grammar request builds the backend, in a worker thread (the
+            if self.grammars is None:   # tokenizer's vocabulary read into xgrammar: ~1 s here, more for a big one)
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer", "response_format")
+                try:
+                    self.grammars = await loop.run_in_executor(self.grammar_pool, lambda: GrammarBackend(
+                        self.tokenizer, self.vocab, self.engine.info.eos_ids, any_whitespace=self.any_whitespace))
+                except ImportError:
+                    raise RequestError("structured outputs need xgrammar (pip install xgrammar)", "response_format",
+                                       400) from None
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self.pool, self.grammars.compile, spec),
+            return await asyncio.wait_for(loop.run_in_executor(self.grammar_pool, self._compile, spec),
                                           self.limits.grammar_timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(f"the {spec.kind} grammar did not compile within {self.limits.grammar_timeout_s:g} s",
                                _grammar_field(body)) from None
         except ValueError as error:
             raise RequestError(str(error), _grammar_field(body)) from None
+
+    def _compile(self, spec):
+        """(In a worker thread.)  The compiled grammar; where it travels to an engine-core process also its
+        serialized form, made here, not on the event loop, and bounded: ValueError past ``max_grammar_bytes``."""
+        compiled = self.grammars.compile(spec)
+        if getattr(self.engine, "sends_grammars", False):
+            compiled = compiled.for_sending()
+            size = len(compiled.serialized())
+            if size > self.limits.max_grammar_bytes:
+                raise ValueError(f"the compiled {spec.kind} grammar takes {size} bytes to send to the engine, more "
+                                 f"than --max-grammar-bytes ({self.limits.max_grammar_bytes}): simplify it (nesting "
+                                 f"multiplies its size)")
+        return compiled
 
     async def prepare(self, body, chat: bool) -> _Prepared:
         self._check_fields(body, chat)
