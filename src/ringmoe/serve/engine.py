@@ -45,7 +45,8 @@ from .placement import ShardedBlocks
 from .request import Request, RequestOutput, Status
 from .decode_graph import LOGITS, PREFILL_ROWS, HeadOutput
 from .runner import ModelRunner, WorkItem
-from .sampling import NoAllowedToken, SamplingParams, TokenChoice, next_token, plain_batch, prompt_choices
+from .sampling import (NoAllowedToken, SamplingParams, TokenChoice, check_bans, next_token, plain_batch,
+                       prompt_choices)
 from .scheduler import Scheduler
 from .mtp_drafter import MTPDrafter
 from .draft_budget import GoodputBudget
@@ -245,10 +246,7 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {bad[:5]}")
-        eos = () if params.ignore_eos else self.eos_ids
-        if params.min_tokens and len(set(params.stop_token_ids).union(eos)) >= vocab:
-            raise ValueError(f"stop_token_ids: with the end-of-sequence ids they are all {vocab} tokens, which "
-                             f"min_tokens ({params.min_tokens}) bans: no token could be chosen")
+        check_bans(params, self.eos_ids, vocab)
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {bad[:5]}")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 __all__ = ["SamplingParams", "next_token", "plain_batch", "TokenChoice", "MAX_LOGPROBS", "NonFiniteLogits",
-           "NoAllowedToken", "prompt_choices"]
+           "NoAllowedToken", "check_bans", "prompt_choices"]
 
 MAX_LOGPROBS = 20
 # below this temperature sampling is greedy (vLLM's rule): dividing logits by 1e-300 overflows to inf
@@ -35,6 +35,15 @@ class NonFiniteLogits(ValueError):
 class NoAllowedToken(ValueError):
     """The request's own constraints (its grammar, the tokens ``min_tokens`` bans) leave no token to choose: that
     request ends with an error (its fault: over HTTP a 400), no other."""
+
+
+def check_bans(params: "SamplingParams", eos_ids, vocab: int) -> None:
+    """ValueError naming stop_token_ids where ``min_tokens`` would ban every token of the ``vocab``: its stop ids
+    with the end-of-sequence ids (``eos_ids``, in range; none with ignore_eos) cover the vocabulary."""
+    eos = () if params.ignore_eos else eos_ids
+    if params.min_tokens and len(set(params.stop_token_ids).union(eos)) >= vocab:
+        raise ValueError(f"stop_token_ids: with the end-of-sequence ids they are all {vocab} tokens, which "
+                         f"min_tokens ({params.min_tokens}) bans: no token could be chosen")
 
 
 def _number(name, value, low=None, high=None, low_open=False):
@@ -211,10 +220,9 @@ def next_token(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
         adjusted += mask
     if (banned or mask is not None) and bool(torch.isneginf(adjusted).all()):
         # (argmax would pick token 0, a banned one, and a draw would fail on a NaN distribution)
-        raise NoAllowedToken("no token is allowed here: " + ("the grammar and the tokens min_tokens bans (stop "
-                             "token ids, end of sequence) exclude them all" if mask is not None and banned else
-                             "the grammar excludes them all" if mask is not None else "min_tokens bans every token "
-                             "(stop token ids, end of sequence)"))
+        causes = [cause for cause, present in (("the grammar", mask is not None),
+                                               ("the stop and end-of-sequence ids min_tokens bans", banned)) if present]
+        raise NoAllowedToken(f"no token is allowed here: {' and '.join(causes)} exclude every token")
     if params.greedy:
         token = int(torch.argmax(adjusted))
     else:

@@ -45,7 +45,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_messages, error_body, grammar_spec, sampling_params)
 from .request import RequestOutput
 from .responses import Prompt, ResponseBuilder
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_bans
 from .stats_log import ThroughputLog
 from .structured import GrammarBackend
 from .templates import TemplateFailed, TemplateTimeout, TemplateWorkers
@@ -198,10 +198,6 @@ class _Frontend:
             raise RequestError(f"stop_token_ids takes at most {limits.max_stop_token_ids} ids", "stop_token_ids")
         if any(not 0 <= t < self.vocab for t in body.stop_token_ids or ()):
             raise RequestError(f"stop_token_ids must lie in [0, {self.vocab})", "stop_token_ids")
-        eos = () if body.ignore_eos else self.engine.info.eos_ids
-        if body.min_tokens and len(set(body.stop_token_ids or ()).union(eos)) >= self.vocab:
-            raise RequestError(f"stop_token_ids: with the end-of-sequence ids they are all {self.vocab} tokens, which "
-                               f"min_tokens bans: no token could be chosen", "stop_token_ids")
         bias = body.logit_bias or {}
         if len(bias) > limits.max_logit_bias:
             raise RequestError(f"logit_bias takes at most {limits.max_logit_bias} entries", "logit_bias")
@@ -216,7 +212,11 @@ class _Frontend:
                                f"(--max-choices)", "n")
         if chat and body.tools and len(body.tools) > limits.max_tools:
             raise RequestError(f"tools holds more than {limits.max_tools} definitions (--max-tools)", "tools")
-        sampling_params(body, self.default_max_tokens)  # the fields' errors first, before tokenizing
+        params = sampling_params(body, self.default_max_tokens)  # the fields' errors first, before tokenizing
+        try:
+            check_bans(params, self.engine.info.eos_ids, self.vocab)
+        except ValueError as error:
+            raise RequestError(str(error), "stop_token_ids") from None
 
     async def _grammar(self, body):
         spec = grammar_spec(body, self.tool_format)
